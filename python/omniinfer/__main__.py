@@ -1,0 +1,3 @@
+from omniinfer.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Closed-loop and trace-replay benchmarking of SGLang-protocol servers."""

@@ -1,0 +1,144 @@
+"""Start and stop real SGLang servers as child processes (tests, demo, benchmarks).
+
+The CPU flags here are the ones the real engine needs on a machine without an accelerator:
+see docs/cpu.md. Each server runs in its own process group so that stopping it also stops the
+scheduler and detokenizer processes it spawned.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+CPU_FLAGS: tuple[str, ...] = (
+    "--device", "cpu",
+    "--attention-backend", "torch_native",
+    "--cuda-graph-backend-decode", "disabled",
+    "--cuda-graph-backend-prefill", "disabled",
+    "--dtype", "float32",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_server_command(
+    model_path: str | Path,
+    port: int,
+    max_total_tokens: int = 16384,
+    extra_args: Sequence[str] = (),
+    python: str = sys.executable,
+) -> list[str]:
+    """The ``python -m sglang.launch_server`` command line for the CPU engine."""
+    return [
+        python, "-m", "sglang.launch_server",
+        "--model-path", str(model_path),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--max-total-tokens", str(max_total_tokens),
+        *CPU_FLAGS,
+        *extra_args,
+    ]
+
+
+def cpu_env(base: dict[str, str] | None = None, threads_bind: str | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    if threads_bind is not None:
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = threads_bind
+    return env
+
+
+class ServerFailed(RuntimeError):
+    """The server exited or did not become ready; the message ends with its log tail."""
+
+
+class SGLangServer:
+    """A running ``sglang.launch_server``; use as a context manager."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        env: dict[str, str],
+        log_path: Path,
+        port: int,
+        ready_timeout_s: float = 240.0,
+    ) -> None:
+        self.command = list(command)
+        self.env = env
+        self.log_path = log_path
+        self.port = port
+        self.ready_timeout_s = ready_timeout_s
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def start(self) -> SGLangServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(
+            self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log.close()
+        self.wait_ready()
+        return self
+
+    def wait_ready(self) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerFailed(
+                    f"server exited with code {self.process.returncode}\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health_generate", timeout=30) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise ServerFailed(f"server not ready after {self.ready_timeout_s:.0f} s\n{self.log_tail()}")
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        pgid = os.getpgid(self.process.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(pgid, signal.SIGKILL)  # scheduler and detokenizer children too
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+    def __enter__(self) -> SGLangServer:
+        return self.start()
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()

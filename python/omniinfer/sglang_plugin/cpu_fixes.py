@@ -1,0 +1,63 @@
+"""Two fixes that make expert parallelism (``--tp 2 --ep 2``) work on the CPU engine.
+
+1. SGLang picks the pynccl communicator by platform, not by device, so on CPU it tries NCCL
+   (``Expected a cuda device, but got: cpu``). On the CPU engine every group is built without it.
+2. SGLang's native MoE path cannot take the -1 ids of experts held by another rank; those
+   calls go to :func:`omniinfer.cpu.moe_native.masked_moe_forward`.
+
+Registered only when :func:`omniinfer.cpu.detect.cpu_engine_active` is true.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from omniinfer.cpu.moe_native import masked_moe_forward
+from omniinfer.cpu.torch_compat import patch_torch
+
+logger = logging.getLogger("omniinfer")
+
+GROUP_COORDINATOR_INIT = "sglang.srt.distributed.parallel_state.GroupCoordinator.__init__"
+# GroupCoordinator.__init__(self, group_ranks, local_rank, torch_distributed_backend, use_pynccl, ...)
+USE_PYNCCL_POSITION = 4
+MOE_FORWARD_NATIVE = "sglang.srt.layers.moe.fused_moe_native.moe_forward_native"
+
+
+def _without_pynccl(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if "use_pynccl" in kwargs:
+        kwargs["use_pynccl"] = False
+    elif len(args) > USE_PYNCCL_POSITION:
+        args = args[:USE_PYNCCL_POSITION] + (False,) + args[USE_PYNCCL_POSITION + 1 :]
+    return args, kwargs
+
+
+def _moe_forward_masked(
+    original: Callable[..., Any], layer: Any, x: Any, topk_output: Any, moe_runner_config: Any
+) -> Any:
+    topk_weights, topk_ids, _ = topk_output
+    if not bool((topk_ids < 0).any()):
+        return original(layer, x, topk_output, moe_runner_config)
+    if moe_runner_config.apply_router_weight_on_input or moe_runner_config.gemm1_alpha is not None:
+        raise NotImplementedError("masked CPU MoE: router-weight-on-input and gemm1_alpha are not supported")
+    return masked_moe_forward(
+        x,
+        topk_weights,
+        topk_ids,
+        layer.w13_weight,
+        layer.w2_weight,
+        moe_runner_config.activation,
+        getattr(layer, "w13_weight_bias", None),
+        getattr(layer, "w2_weight_bias", None),
+    )
+
+
+def register() -> None:
+    patched = patch_torch()
+    if patched:
+        logger.info("omniinfer: CPU engine, filled in %s", ", ".join(patched))
+    HookRegistry.register(GROUP_COORDINATOR_INIT, _without_pynccl, HookType.BEFORE)
+    HookRegistry.register(MOE_FORWARD_NATIVE, _moe_forward_masked, HookType.AROUND)

