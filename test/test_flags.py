@@ -1,0 +1,80 @@
+"""The omni flag table: parsing, validation and the hand-over to worker processes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from omniinfer.flags import ENV_VAR, OmniConfig, OmniFlagError, add_arguments, current_config
+
+
+def parse(argv: list[str]) -> OmniConfig:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return OmniConfig.from_namespace(parser.parse_args(argv))
+
+
+def test_defaults_match_upstream_values() -> None:
+    config = parse([])
+    assert config == OmniConfig()
+    assert (config.omni_placement_trigger, config.omni_placement_margin) == (1.1, 0.05)
+    assert config.non_default() == {}
+
+
+def test_values_are_converted_and_exported(tmp_path: Path) -> None:
+    pattern = tmp_path / "p.json"
+    pattern.write_text('{"version": 1}')
+    config = parse(["--enable-omni-placement", "--omni-placement-window", "5",
+                    "--omni-attn-pattern", str(pattern)])
+    assert config.omni_placement_window == 5 and isinstance(config.omni_placement_window, int)
+    env: dict[str, str] = {}
+    config.export(env)
+    assert json.loads(env[ENV_VAR])["omni_attn_pattern"] == str(pattern)
+    assert current_config(env) == config
+    assert config.non_default() == {
+        "enable_omni_placement": True, "omni_placement_window": 5, "omni_attn_pattern": str(pattern)
+    }
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--omni-placement-trigger", "0.9"], "must be >= 1.0"),
+        (["--omni-placement-interval", "0"], "must be >= 1"),
+        (["--omni-placement-window", "2.5"], "expected a number"),
+        (["--omni-placement-margin", "abc"], "expected a number"),
+        (["--omni-attn-pattern", "/no/such/file.json"], "no such file"),
+        (["--omni-placement-plan", "/no/such/plan.json"], "no such file"),
+    ],
+)
+def test_bad_values_raise_one_line(argv: list[str], fragment: str) -> None:
+    with pytest.raises(OmniFlagError) as info:
+        parse(argv)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_plan_needs_placement_enabled(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    with pytest.raises(OmniFlagError, match="needs --enable-omni-placement"):
+        parse(["--omni-placement-plan", str(plan)])
+
+
+def test_pattern_must_hold_a_json_object(tmp_path: Path) -> None:
+    pattern = tmp_path / "p.json"
+    pattern.write_text("[1, 2, 3]")
+    with pytest.raises(OmniFlagError, match="JSON object"):
+        parse(["--omni-attn-pattern", str(pattern)])
+
+
+def test_environment_config_is_validated() -> None:
+    assert current_config({}) == OmniConfig()
+    with pytest.raises(OmniFlagError, match="unknown omni setting"):
+        current_config({ENV_VAR: '{"omni_typo": 1}'})
+    with pytest.raises(OmniFlagError, match="not valid JSON"):
+        current_config({ENV_VAR: "{"})
+    with pytest.raises(OmniFlagError, match="must be >= 1.0"):
+        current_config({ENV_VAR: '{"omni_placement_trigger": 0.5}'})
