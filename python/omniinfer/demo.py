@@ -1,0 +1,87 @@
+"""The end-to-end demo: the real SGLang on this machine with the plugin, a chat answer, a benchmark.
+
+Every process it starts runs in one process group that is stopped on exit, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from omniinfer.bench.metrics import format_table, summarize
+from omniinfer.bench.runner import run_closed_loop
+from omniinfer.bench.workloads import random_text
+from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
+
+QUESTION = "What is the capital of France? Answer in one short sentence."
+
+
+def chat(base_url: str, question: str, max_tokens: int = 48) -> str:
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+    }
+    request = urllib.request.Request(
+        f"{base_url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=300) as response:
+        reply = json.loads(response.read())
+    return str(reply["choices"][0]["message"]["content"]).strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--output-dir", type=Path, default=Path("demo-output"))
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--num-requests", type=int, default=16)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--max-total-tokens", type=int, default=16384)
+    args = parser.parse_args(argv)
+
+    port = free_port()
+    command = cpu_server_command(args.model, port, args.max_total_tokens)
+    log = args.output_dir / "sglang-server.log"
+    print(f"[demo] starting SGLang on {args.model.name} (CPU engine, plugin loaded); log: {log}")
+    started = time.monotonic()
+    with SGLangServer(command, cpu_env(), log, port) as server:
+        print(f"[demo] server ready in {time.monotonic() - started:.0f} s at {server.base_url}")
+        print(f"[demo] Q: {QUESTION}")
+        print(f"[demo] A: {chat(server.base_url, QUESTION)}")
+
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        requests = random_text(tokenizer, args.num_requests, args.input_len, args.output_len, 1.0, 0)
+        # The first batches of a new shape are slow on the CPU engine; warm up before measuring.
+        warmup = random_text(tokenizer, args.concurrency, args.input_len, 4, 1.0, 1)
+        asyncio.run(run_closed_loop(server.base_url, warmup, args.concurrency, progress=False))
+        print(
+            f"[demo] closed loop: {args.num_requests} requests, concurrency {args.concurrency}, "
+            f"{args.input_len} tokens in / {args.output_len} out"
+        )
+        results, duration = asyncio.run(run_closed_loop(server.base_url, requests, args.concurrency))
+        summary = summarize(results, duration)
+        summary["concurrency"] = args.concurrency
+        print(format_table(summary, f"SGLang on CPU, {args.model.name}"))
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        (args.output_dir / "bench-summary.json").write_text(json.dumps(summary, indent=2))
+        failed = [r for r in results if not r.ok]
+        for r in failed[:3]:
+            print(f"[demo] request {r.index} failed: {r.error}", file=sys.stderr)
+    print("[demo] server stopped")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

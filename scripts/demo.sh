@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The main job on the embedded default model: the real SGLang on this CPU with SmolLM2-135M and
+# the omniinfer plugin, one chat answer, a short closed-loop benchmark table; every process it
+# starts is stopped at the end. Extra arguments go to `python -m omniinfer.demo`.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+bash scripts/setup.sh
+export SGLANG_USE_CPU_ENGINE=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+exec .venv/bin/python -m omniinfer.demo --model .cache/models/SmolLM2-135M-Instruct "$@"
