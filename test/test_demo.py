@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from omni_testing import ROOT
 
 pytestmark = pytest.mark.server
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from conftest import hf_greedy, post_json
+from omni_testing import hf_greedy, post_json
 
 pytestmark = pytest.mark.server
 

@@ -14,6 +14,7 @@ from omniinfer import __version__
 
 SUBCOMMANDS: tuple[str, ...] = (
     "omniinfer.bench.cli",
+    "omniinfer.placement.cli",
 )
 
 

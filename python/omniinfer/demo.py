@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omniinfer.bench.metrics import format_table, summarize
 from omniinfer.bench.runner import run_closed_loop
-from omniinfer.bench.workloads import random_text
+from omniinfer.bench.workloads import WorkloadSpec, text_corpus
 from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
 
 QUESTION = "What is the capital of France? Answer in one short sentence."
@@ -62,9 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        requests = random_text(tokenizer, args.num_requests, args.input_len, args.output_len, 1.0, 0)
+        spec = WorkloadSpec(args.num_requests, args.input_len, args.output_len, seed=0)
+        requests = text_corpus(spec, tokenizer)
         # The first batches of a new shape are slow on the CPU engine; warm up before measuring.
-        warmup = random_text(tokenizer, args.concurrency, args.input_len, 4, 1.0, 1)
+        warmup = text_corpus(WorkloadSpec(args.concurrency, args.input_len, 4, seed=1), tokenizer)
         asyncio.run(run_closed_loop(server.base_url, warmup, args.concurrency, progress=False))
         print(
             f"[demo] closed loop: {args.num_requests} requests, concurrency {args.concurrency}, "

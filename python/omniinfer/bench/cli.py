@@ -1,57 +1,155 @@
-"""``omniinfer bench``: a closed-loop benchmark against an SGLang-protocol server."""
+"""``omniinfer bench``: closed-loop or trace-replay benchmark of an SGLang-protocol server."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import sys
 from pathlib import Path
+from typing import Any
 
+from omniinfer.bench.client import BACKENDS, RequestResult
 from omniinfer.bench.metrics import format_table, summarize
-from omniinfer.bench.runner import run_closed_loop
-from omniinfer.bench.workloads import WORKLOADS
+from omniinfer.bench.runner import (
+    TargetUnreachable,
+    check_reachable,
+    run_closed_loop,
+    run_trace_replay,
+)
+from omniinfer.bench.workloads import (
+    TEXT_WORKLOADS,
+    TRACE_WORKLOADS,
+    WORKLOADS,
+    BenchRequest,
+    TraceError,
+    WorkloadSpec,
+    describe,
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("bench", help="closed-loop benchmark of a running server")
+    p = subparsers.add_parser(
+        "bench",
+        help="closed-loop or trace-replay benchmark of a running server",
+        description="Closed loop: --concurrency N keeps N requests in flight (when one finishes, "
+        "the next starts). Trace replay: --replay sends each request at its trace time.",
+    )
     p.add_argument("--base-url", default="http://127.0.0.1:30000")
-    p.add_argument("--tokenizer", required=True, help="model or tokenizer folder of the served model")
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="random")
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--backend", choices=sorted(BACKENDS), default="sglang",
+                   help="sglang: /generate; openai: /v1/completions; openai-chat: /v1/chat/completions")
+    p.add_argument("--tokenizer", help="served model or tokenizer folder (vocabulary, chat text)")
+    p.add_argument("--workload", choices=sorted(WORKLOADS) + sorted(TEXT_WORKLOADS), default="random")
+    p.add_argument("--trace", type=Path, help="trace file for mooncake/azure (default: the shipped one)")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--duration", type=float, default=None, help="closed loop: stop issuing after S seconds")
+    p.add_argument("--replay", action="store_true", help="open loop: honour the trace timestamps")
+    p.add_argument("--time-scale", type=float, default=1.0, help="replay: 0.1 = ten times faster")
+    p.add_argument("--max-concurrency", type=int, default=None, help="replay: cap requests in flight")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--range-ratio", type=float, default=1.0)
+    p.add_argument("--input-scale", type=float, default=1.0, help="multiply trace/paper input lengths")
+    p.add_argument("--output-scale", type=float, default=1.0, help="multiply trace/paper output lengths")
+    p.add_argument("--max-total-len", type=int, default=None, help="clip input+output to this")
+    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: system prompt tokens")
+    p.add_argument("--num-groups", type=int, default=8, help="shared-prefix: distinct prefixes")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
-    p.add_argument("--slo-tpot", type=float, default=0.050, help="seconds")
-    p.add_argument("--output-dir", type=Path, default=None, help="write requests.jsonl and summary.json here")
-    p.add_argument("--title", default="Closed-loop benchmark")
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds (default 2)")
+    p.add_argument("--slo-tpot", type=float, default=0.050, help="seconds (default 0.05)")
+    p.add_argument("--output-dir", type=Path, default=None,
+                   help="write requests.jsonl, summary.json and bench.png here")
+    p.add_argument("--title", default=None)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def _tokenizer(path: str | None) -> Any:
+    if path is None:
+        return None
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    requests = WORKLOADS[args.workload](
-        tokenizer, args.num_requests, args.input_len, args.output_len, args.range_ratio, args.seed
+    return AutoTokenizer.from_pretrained(path)
+
+
+def build_requests(args: argparse.Namespace, tokenizer: Any) -> list[BenchRequest]:
+    vocab, special = 32000, frozenset()
+    if tokenizer is not None:
+        vocab = len(tokenizer)
+        special = frozenset(int(i) for i in tokenizer.all_special_ids)
+    spec = WorkloadSpec(
+        num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
+        range_ratio=args.range_ratio, seed=args.seed, trace=args.trace,
+        input_scale=args.input_scale, output_scale=args.output_scale,
+        prefix_len=args.prefix_len, num_groups=args.num_groups, vocab_size=vocab,
+        special_ids=special, max_total_len=args.max_total_len,
     )
-    results, duration = asyncio.run(
-        run_closed_loop(args.base_url, requests, args.concurrency, progress=not args.no_progress)
+    if args.workload in TEXT_WORKLOADS:
+        if tokenizer is None:
+            raise ValueError(f"--workload {args.workload} needs --tokenizer")
+        return TEXT_WORKLOADS[args.workload](spec, tokenizer)
+    if tokenizer is None and args.workload not in TRACE_WORKLOADS:
+        print("omniinfer bench: no --tokenizer, drawing ids from a 32000-token vocabulary",
+              file=sys.stderr)
+    return WORKLOADS[args.workload](spec)
+
+
+def prompt_text_for(tokenizer: Any):  # type: ignore[no-untyped-def]
+    def text(request: BenchRequest) -> str:
+        if request.prompt is not None:
+            return request.prompt
+        if tokenizer is None:
+            raise ValueError("--backend openai-chat with token-id workloads needs --tokenizer")
+        return str(tokenizer.decode(list(request.input_ids or ())))
+
+    return text
+
+
+def write_outputs(
+    out: Path, results: list[RequestResult], summary: dict[str, Any], duration: float, title: str
+) -> None:
+    from omniinfer.bench.plots import plot_run
+
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "requests.jsonl", "w") as f:
+        for r in results:
+            f.write(json.dumps(r.row()) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot_run(results, duration, out / "bench.png", title)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.num_requests is None and args.duration is None and not args.replay:
+            args.num_requests = 64
+        tokenizer = _tokenizer(args.tokenizer)
+        requests = build_requests(args, tokenizer)
+        asyncio.run(check_reachable(args.base_url))
+    except (TraceError, ValueError, TargetUnreachable, OSError) as exc:
+        print(f"omniinfer: error: {exc}", file=sys.stderr)
+        return 2
+    title = args.title or f"{args.workload} on {args.base_url} ({args.backend})"
+    text = prompt_text_for(tokenizer)
+    progress = not args.no_progress
+    if args.replay:
+        results, duration = asyncio.run(run_trace_replay(
+            args.base_url, requests, args.time_scale, args.backend, text, args.max_concurrency,
+            progress=progress))
+    else:
+        results, duration = asyncio.run(run_closed_loop(
+            args.base_url, requests, args.concurrency, args.backend, text, args.duration,
+            progress=progress))
+    summary: dict[str, Any] = summarize(results, duration, args.slo_ttft, args.slo_tpot)
+    summary.update(
+        workload=args.workload, backend=args.backend, mode="replay" if args.replay else "closed",
+        concurrency=None if args.replay else args.concurrency,
+        time_scale=args.time_scale if args.replay else None, workload_stats=describe(requests),
     )
-    summary = summarize(results, duration, args.slo_ttft, args.slo_tpot)
-    summary["concurrency"] = args.concurrency
-    print(format_table(summary, args.title))
-    errors = [r for r in results if not r.ok]
-    for r in errors[:5]:
-        print(f"request {r.index} failed: {r.error}")
+    print(format_table(summary, title))
+    for r in [r for r in results if not r.ok][:5]:
+        print(f"request {r.index} failed: {r.error}", file=sys.stderr)
     if args.output_dir is not None:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-        with open(args.output_dir / "requests.jsonl", "w") as f:
-            for r in results:
-                f.write(json.dumps(r.row()) + "\n")
-        (args.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(f"wrote {args.output_dir / 'summary.json'}")
-    return 0 if not errors else 1
+        write_outputs(args.output_dir, results, summary, duration, title)
+        print(f"wrote {args.output_dir}/summary.json, requests.jsonl, bench.png")
+    return 0 if summary["errors"] == 0 else 1

@@ -1,4 +1,4 @@
-"""The closed loop: keep exactly ``concurrency`` requests in flight until all are done."""
+"""Load generators: the closed loop (fixed concurrency) and open-loop trace replay."""
 
 from __future__ import annotations
 
@@ -9,42 +9,111 @@ from collections.abc import Sequence
 import aiohttp
 from tqdm import tqdm
 
-from omniinfer.bench.client import RequestResult, stream_generate
+from omniinfer.bench.client import BACKENDS, Backend, PromptText, RequestResult, send
 from omniinfer.bench.workloads import BenchRequest
+
+
+class TargetUnreachable(RuntimeError):
+    """The server did not answer at all; one message instead of a stack of timeouts."""
+
+
+def _no_text(request: BenchRequest) -> str:
+    if request.prompt is None:
+        raise ValueError("this backend needs prompt text: pass a tokenizer")
+    return request.prompt
+
+
+async def check_reachable(base_url: str, timeout_s: float = 10.0) -> None:
+    """GET /health (falling back to /v1/models); raise TargetUnreachable if nothing answers."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        last_error = ""
+        for path in ("/health", "/v1/models"):
+            try:
+                async with session.get(base_url + path) as response:
+                    if response.status < 500:
+                        return
+                    last_error = f"HTTP {response.status} from {path}"
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    raise TargetUnreachable(f"cannot reach {base_url}: {last_error}")
 
 
 async def run_closed_loop(
     base_url: str,
     requests: Sequence[BenchRequest],
     concurrency: int,
-    timeout_s: float = 600.0,
+    backend: Backend | str = "sglang",
+    prompt_text: PromptText = _no_text,
+    duration_s: float | None = None,
+    timeout_s: float = 3600.0,
     progress: bool = True,
 ) -> tuple[list[RequestResult], float]:
-    """Send ``requests`` with ``concurrency`` in flight; when one finishes the next starts.
+    """Keep ``concurrency`` requests in flight: when one finishes the next starts.
 
-    Returns the per-request results (in request order) and the wall time of the run.
+    Stops issuing when the requests run out or ``duration_s`` has passed (in-flight requests
+    are awaited). Returns the results in issue order and the wall time of the run.
     """
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
-    queue: asyncio.Queue[BenchRequest] = asyncio.Queue()
-    for request in requests:
-        queue.put_nowait(request)
-    results: list[RequestResult | None] = [None] * len(requests)
+    api = BACKENDS[backend] if isinstance(backend, str) else backend
+    pending = list(reversed(requests))
+    results: list[RequestResult] = []
     bar = tqdm(total=len(requests), desc="requests", disable=not progress, unit="req")
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
     t0 = time.perf_counter()
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    deadline = None if duration_s is None else t0 + duration_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
 
-        async def worker() -> None:
-            while True:
-                try:
-                    request = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                results[request.index] = await stream_generate(session, base_url, request, t0)
+        async def user() -> None:
+            while pending and (deadline is None or time.perf_counter() < deadline):
+                request = pending.pop()
+                results.append(await send(session, base_url, api, request, prompt_text, t0))
                 bar.update(1)
 
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(requests)))))
+        await asyncio.gather(*(user() for _ in range(min(concurrency, len(requests)))))
     duration = time.perf_counter() - t0
     bar.close()
-    return [r for r in results if r is not None], duration
+    return sorted(results, key=lambda r: r.start), duration
+
+
+async def run_trace_replay(
+    base_url: str,
+    requests: Sequence[BenchRequest],
+    time_scale: float = 1.0,
+    backend: Backend | str = "sglang",
+    prompt_text: PromptText = _no_text,
+    max_concurrency: int | None = None,
+    timeout_s: float = 3600.0,
+    progress: bool = True,
+) -> tuple[list[RequestResult], float]:
+    """Send each request at its trace time × ``time_scale`` (0.1 = ten times faster).
+
+    An optional ``max_concurrency`` caps requests in flight; a request that waits for a slot is
+    sent late and its lateness shows in its ``start`` against its arrival time.
+    """
+    if time_scale <= 0:
+        raise ValueError("time_scale must be > 0")
+    api = BACKENDS[backend] if isinstance(backend, str) else backend
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = tqdm(total=len(requests), desc="requests", disable=not progress, unit="req")
+    t0 = time.perf_counter()
+    first = min((r.arrival_s for r in requests), default=0.0)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+
+        async def one(request: BenchRequest) -> RequestResult:
+            delay = (request.arrival_s - first) * time_scale - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if slots is None:
+                result = await send(session, base_url, api, request, prompt_text, t0)
+            else:
+                async with slots:
+                    result = await send(session, base_url, api, request, prompt_text, t0)
+            bar.update(1)
+            return result
+
+        results = await asyncio.gather(*(one(r) for r in requests))
+    duration = time.perf_counter() - t0
+    bar.close()
+    return list(results), duration
