@@ -77,7 +77,8 @@ class TokenSource:
         self.seed = seed
 
     def block(self, key: int, length: int) -> list[int]:
-        rng = np.random.default_rng([self.seed, key])
+        # Keys below zero (shared prefixes) live in their own range of the seed space.
+        rng = np.random.default_rng([self.seed, key if key >= 0 else 2**62 - key])
         return self.allowed[rng.integers(0, len(self.allowed), length)].tolist()
 
 
