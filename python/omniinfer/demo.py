@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 import time
 import urllib.request
@@ -38,7 +39,12 @@ def chat(base_url: str, question: str, max_tokens: int = 48) -> str:
     return str(reply["choices"][0]["message"]["content"]).strip()
 
 
+def _exit_on_sigterm(*_args: object) -> None:
+    raise SystemExit(143)  # unwinds the context managers, which stop the server
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--output-dir", type=Path, default=Path("demo-output"))

@@ -62,6 +62,16 @@ def cpu_env(base: dict[str, str] | None = None, threads_bind: str | None = None)
     return env
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM it when the parent process dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 class ServerFailed(RuntimeError):
     """The server exited or did not become ready; the message ends with its log tail."""
 
@@ -98,7 +108,8 @@ class SGLangServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
-            self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
         log.close()
         self.wait_ready()

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from omniinfer.flags import OmniConfig, OmniFlagError, add_arguments
+from omniinfer.sglang_plugin.http_routes import STATE_DIR_ENV
 
 ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
@@ -26,12 +29,29 @@ def _before_from_cli_args(*args: Any, **kwargs: Any) -> None:
         return None
     try:
         config = OmniConfig.from_namespace(namespace)
+        if config.enable_omni_placement:
+            _prepare_placement(namespace, config)
     except OmniFlagError as exc:
         # One line, no traceback: the launch stops here before any process is started.
         print(f"omniinfer: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     config.export()
+    if not os.environ.get(STATE_DIR_ENV):
+        os.environ[STATE_DIR_ENV] = tempfile.mkdtemp(prefix="omniinfer-state-")
+    from omniinfer.sglang_plugin.http_routes import register_routes
+
+    register_routes()
     return None
+
+
+def _prepare_placement(namespace: argparse.Namespace, config: OmniConfig) -> None:
+    """OmniPlacement runs on SGLang's EPLB plumbing (recorder, expert map) with its own decisions."""
+    ep_size = getattr(namespace, "ep_size", None) or 1
+    if ep_size <= 1:
+        raise OmniFlagError("--enable-omni-placement: needs expert parallelism (--ep-size > 1)")
+    namespace.enable_eplb = True
+    if config.omni_placement_plan is not None:
+        namespace.init_expert_location = config.omni_placement_plan
 
 
 def register() -> None:

@@ -32,3 +32,8 @@ def _after_scheduler_init(_result: Any, scheduler: Any, *_a: Any, **_k: Any) -> 
 
 def register() -> None:
     HookRegistry.register(SCHEDULER_INIT, _after_scheduler_init, HookType.AFTER)
+    config = current_config()
+    if config.enable_omni_placement:
+        from omniinfer.sglang_plugin import placement_hooks
+
+        placement_hooks.register(config)

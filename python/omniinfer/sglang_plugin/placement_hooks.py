@@ -1,0 +1,46 @@
+"""HookRegistry wiring of OmniPlacement in scheduler processes (see placement_runtime)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from omniinfer.flags import OmniConfig
+
+logger = logging.getLogger("omniinfer")
+
+EPLB_FORWARD_PASS_END = "sglang.srt.eplb.eplb_manager.EPLBManager.on_forward_pass_end"
+STAT_ACCUMULATOR_APPEND = "sglang.srt.eplb.expert_distribution._StatAccumulator.append"
+
+
+class _State:
+    config: OmniConfig | None = None
+    controller: Any = None
+
+
+def _around_forward_pass_end(_original: Callable[..., Any], manager: Any) -> None:
+    """Replaces SGLang's fixed-period rebalance with the OmniPlacement controller."""
+    if _State.controller is None:
+        from omniinfer.sglang_plugin.placement_runtime import PlacementController
+
+        assert _State.config is not None
+        _State.controller = PlacementController(manager, _State.config)
+    _State.controller.on_forward_pass_end()
+
+
+def _after_accumulator_append(_result: Any, _accumulator: Any, *args: Any, **kwargs: Any) -> None:
+    controller = _State.controller
+    if controller is None:
+        return
+    data = kwargs.get("single_pass_data", args[2] if len(args) > 2 else None)
+    if isinstance(data, dict) and "global_physical_count" in data:
+        controller.on_counts(data["global_physical_count"])
+
+
+def register(config: OmniConfig) -> None:
+    _State.config = config
+    HookRegistry.register(EPLB_FORWARD_PASS_END, _around_forward_pass_end, HookType.AROUND)
+    HookRegistry.register(STAT_ACCUMULATOR_APPEND, _after_accumulator_append, HookType.AFTER)

@@ -1,0 +1,272 @@
+"""OmniPlacement inside SGLang's MoE runtime (scheduler processes, expert parallelism).
+
+SGLang's EPLBManager rebalances every N forward passes with no improvement margin and moves
+expert weights synchronously inside the forward loop. With ``--enable-omni-placement`` its
+per-pass callback is replaced by :class:`PlacementController`:
+
+- main thread, every forward pass: count the pass, hand the recorder's per-slot counts to a
+  queue (a tensor clone), every ``interval`` passes enqueue a tick, and switch in a staged
+  layout when its agreed pass arrives — a weight copy per changed slot plus SGLang's masked
+  in-place metadata update, the same step on every rank;
+- background thread: fold counts into per-expert load, run Algorithm 2 on rank 0
+  (:class:`omniinfer.placement.dynamic.DynamicPlanner`: trigger, prediction, margin), broadcast
+  the decision, stage the changed slots over a separate gloo group (local copies or point-to-
+  point from the rank holding the expert), then agree with all ranks on success and on the
+  pass to switch at. A failed staging on any rank leaves the old layout serving everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from omniinfer.flags import OmniConfig
+from omniinfer.placement.base import Placement
+from omniinfer.placement.dynamic import DynamicConfig, DynamicPlanner
+from omniinfer.placement.transfers import SlotCopy, logical_counts, plan_slot_copies
+
+logger = logging.getLogger("omniinfer")
+
+STATE_DIR_ENV = "OMNIINFER_STATE_DIR"
+STATUS_FILE = "placement.json"
+SWITCH_DELAY_PASSES = 2
+HISTORY_LIMIT = 200
+
+
+@dataclasses.dataclass
+class Staged:
+    """Weights staged for one migration, waiting for their switch pass."""
+
+    target_pass: int
+    new_map: np.ndarray
+    metadata: Any
+    layers: list[int]
+    copies: dict[tuple[int, int], list[torch.Tensor]]  # (layer, local slot) -> tensors
+    record: dict[str, Any]
+
+
+class PlacementController:
+    """One per scheduler process; see the module docstring."""
+
+    def __init__(self, manager: Any, config: OmniConfig) -> None:
+        from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+        from sglang.srt.runtime_context import get_parallel
+
+        self.config = config
+        self.model = manager._get_model()
+        self.model_config = manager._model_config
+        self.metadata = get_global_expert_location_metadata()
+        self.num_ranks = int(self.metadata.ep_size)
+        self.rank = int(get_parallel().tp_rank) % self.num_ranks
+        self.weights = self.model.routed_experts_weights_of_layer
+        self.moe_layers = sorted(int(k) for k in self.weights.keys())
+        self.num_experts = int(self.metadata.num_logical_experts)
+        self.map = self.metadata.physical_to_logical_map_cpu.numpy().copy()
+        self.per_rank = self.map.shape[1] // self.num_ranks
+        # A separate group so staging traffic never interleaves with the forward pass's collectives.
+        self.group = dist.new_group(ranks=list(range(dist.get_world_size())), backend="gloo")
+        self.passes = 0
+        self.pending: Staged | None = None
+        self.applied = threading.Event()
+        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.status: dict[str, Any] = {
+            "enabled": True, "rank_count": self.num_ranks, "moe_layers": self.moe_layers,
+            "trigger": config.omni_placement_trigger, "margin": config.omni_placement_margin,
+            "interval_passes": config.omni_placement_interval, "decisions": [], "migrations": [],
+            "layer_imbalance": {},
+        }
+        self.planner: DynamicPlanner | None = None
+        if self.rank == 0:
+            slots = self.map[self.moe_layers].reshape(len(self.moe_layers), self.num_ranks, self.per_rank)
+            self.planner = DynamicPlanner(
+                Placement(slots.copy(), self.num_experts),
+                DynamicConfig(
+                    trigger=config.omni_placement_trigger,
+                    margin=config.omni_placement_margin,
+                    predictor="ema",
+                    predictor_args={"alpha": 2.0 / (config.omni_placement_window + 1)},
+                ),
+            )
+        self.thread = threading.Thread(target=self._run, name="omni-placement", daemon=True)
+        self.thread.start()
+        self._write_status()
+        logger.info("omniinfer: OmniPlacement on rank %d: %d MoE layers, %d ranks, %d slots per rank",
+                    self.rank, len(self.moe_layers), self.num_ranks, self.per_rank)
+
+    # ------------------------------------------------------------------ main thread
+
+    def on_counts(self, global_physical_count: torch.Tensor) -> None:
+        if self.rank == 0:
+            self.inbox.put(("counts", global_physical_count.detach().to("cpu", copy=True)))
+
+    def on_forward_pass_end(self) -> None:
+        self.passes += 1
+        staged = self.pending
+        if staged is not None and self.passes >= staged.target_pass:
+            self._switch(staged)
+        if self.passes % self.config.omni_placement_interval == 0:
+            self.inbox.put(("tick", self.passes))
+
+    def _switch(self, staged: Staged) -> None:
+        started = time.perf_counter()
+        for (layer, local_slot), tensors in staged.copies.items():
+            for live, new in zip(self.weights[layer], tensors, strict=True):
+                live[local_slot].copy_(new)
+        self.metadata.update(staged.metadata, update_layer_ids=staged.layers)
+        staged.record.update(switched_at_pass=self.passes,
+                             switch_ms=round(1000 * (time.perf_counter() - started), 3), state="adopted")
+        self.inbox.put(("switched", staged.new_map))
+        self.pending = None
+        self.applied.set()
+
+    # ------------------------------------------------------------- background thread
+
+    def _run(self) -> None:
+        window = np.zeros((self.map.shape[0], self.num_experts))
+        fold_map = self.map.copy()
+        while True:
+            kind, payload = self.inbox.get()
+            if kind == "counts":
+                window += logical_counts(payload.numpy(), fold_map, self.num_experts)
+            elif kind == "switched":
+                fold_map = payload
+            elif kind == "tick":
+                try:
+                    self._tick(int(payload), window)
+                except Exception as exc:  # keep serving on the old layout
+                    logger.exception("omniinfer: placement tick failed: %s", exc)
+                window[:] = 0.0
+
+    def _tick(self, pass_id: int, window: np.ndarray) -> None:
+        new_map = self._decide(pass_id, window) if self.rank == 0 else None
+        header = torch.tensor([0 if new_map is None else 1], dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self.group)
+        if int(header.item()) == 0:
+            return
+        buffer = torch.from_numpy(new_map).to(torch.int64) if new_map is not None else \
+            torch.empty(self.map.shape, dtype=torch.int64)
+        dist.broadcast(buffer, src=0, group=self.group)
+        self._migrate(pass_id, buffer.numpy().copy())
+
+    def _decide(self, pass_id: int, window: np.ndarray) -> np.ndarray | None:
+        assert self.planner is not None
+        counts = window[self.moe_layers]
+        if counts.sum() <= 0:
+            return None
+        counts = counts + 1e-6  # an idle expert must not make a layer's load undefined
+        before = self.planner.placement.imbalance(counts)
+        self.status["layer_imbalance"] = {
+            str(layer): round(float(b), 4) for layer, b in zip(self.moe_layers, before, strict=True)
+        }
+        result = self.planner.observe(counts)
+        triggered = [self.moe_layers[i] for i in np.flatnonzero(result.predicted_b > self.config.omni_placement_trigger)]
+        adopted = [self.moe_layers[i] for i in result.adopted_layers]
+        after = result.placement.imbalance(counts)
+        self._remember("decisions", {
+            "pass": pass_id, "time": time.time(), "triggered_layers": triggered,
+            "adopted_layers": adopted, "rejected_by_margin": sorted(set(triggered) - set(adopted)),
+            "b_before": [round(float(b), 4) for b in before],
+            "b_after_planned": [round(float(b), 4) for b in after],
+        })
+        self._write_status()
+        if not adopted:
+            return None
+        new_map = self.map.copy()
+        new_map[self.moe_layers] = result.placement.slots.reshape(len(self.moe_layers), -1)
+        return new_map
+
+    def _migrate(self, pass_id: int, new_map: np.ndarray) -> None:
+        from sglang.srt.eplb.expert_location import ExpertLocationMetadata
+
+        record: dict[str, Any] = {"decided_at_pass": pass_id, "state": "staging"}
+        started = time.perf_counter()
+        old_map = self.map
+        copies = plan_slot_copies(old_map, new_map, self.num_ranks, self.moe_layers)
+        staged: dict[tuple[int, int], list[torch.Tensor]] = {}
+        ok = 1
+        try:
+            staged = self._stage(copies)
+            metadata = ExpertLocationMetadata.init_by_mapping(
+                self.model_config, torch.from_numpy(new_map), moe_ep_rank=self.rank)
+        except Exception as exc:
+            logger.exception("omniinfer: staging failed on rank %d: %s", self.rank, exc)
+            record["error"] = f"{type(exc).__name__}: {exc}"
+            ok, metadata = 0, None
+        verdict = torch.tensor([ok], dtype=torch.int64)
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=self.group)
+        latest = torch.tensor([self.passes], dtype=torch.int64)
+        dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=self.group)
+        layers = sorted({c.layer for c in copies})
+        record.update(
+            layers=layers, slots_copied=len(copies),
+            remote_copies=sum(1 for c in copies if not c.is_local),
+            bytes_staged=int(sum(t.numel() * t.element_size() for ts in staged.values() for t in ts)),
+            staging_ms=round(1000 * (time.perf_counter() - started), 3),
+        )
+        if int(verdict.item()) == 0:
+            record["state"] = "failed; old layout kept"
+            if self.planner is not None:
+                slots = old_map[self.moe_layers].reshape(len(self.moe_layers), self.num_ranks, self.per_rank)
+                self.planner.placement = Placement(slots.copy(), self.num_experts)
+            self._remember("migrations", record)
+            self._write_status()
+            return
+        self.applied.clear()
+        self.pending = Staged(int(latest.item()) + SWITCH_DELAY_PASSES, new_map, metadata, layers, staged, record)
+        self.applied.wait()
+        self.map = new_map
+        self._remember("migrations", record)
+        self._write_status()
+        logger.info("omniinfer: placement migration adopted on rank %d: %s", self.rank, record)
+
+    def _stage(self, copies: list[SlotCopy]) -> dict[tuple[int, int], list[torch.Tensor]]:
+        staged: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for layer in sorted({c.layer for c in copies}):  # layer by layer bounds traffic in flight
+            requests = []
+            live = self.weights[layer]
+            for index, copy in enumerate(c for c in copies if c.layer == layer):
+                src_local = copy.src_slot % self.per_rank
+                dst_local = copy.dst_slot % self.per_rank
+                if copy.dst_rank == self.rank:
+                    if copy.is_local:
+                        staged[(layer, dst_local)] = [t[src_local].clone() for t in live]
+                    else:
+                        buffers = [torch.empty_like(t[dst_local]) for t in live]
+                        staged[(layer, dst_local)] = buffers
+                        for k, b in enumerate(buffers):
+                            requests.append(dist.irecv(b, src=copy.src_rank, group=self.group,
+                                                       tag=index * len(live) + k))
+                elif copy.src_rank == self.rank:
+                    for k, t in enumerate(live):
+                        requests.append(dist.isend(t[src_local].contiguous(), dst=copy.dst_rank,
+                                                   group=self.group, tag=index * len(live) + k))
+            for request in requests:
+                request.wait()
+        return staged
+
+    # -------------------------------------------------------------------- status
+
+    def _remember(self, key: str, item: dict[str, Any]) -> None:
+        history = self.status[key]
+        history.append(item)
+        del history[:-HISTORY_LIMIT]
+
+    def _write_status(self) -> None:
+        directory = os.environ.get(STATE_DIR_ENV)
+        if self.rank != 0 or not directory:
+            return
+        path = Path(directory) / STATUS_FILE
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(self.status, default=str))
+        partial.replace(path)
