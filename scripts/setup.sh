@@ -36,7 +36,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$SETUP_STAMP_KEY" ]; then
     apache-tvm-ffi==0.1.11 compressed-tensors==0.18.0 gguf datasets uvicorn uvloop fastapi \
     openai==2.8.0 partial-json-parser setproctitle jsonschema xgrammar==0.2.7 soundfile \
     python-multipart accelerate tokenizers prometheus-client httpx matplotlib \
-    pytest pytest-timeout ruff
+    pytest pytest-timeout ruff sglang-router==0.3.2 hypothesis
   echo "[setup] omniinfer (editable)"
   "${PIP[@]}" -c "$CONSTRAINT" --no-deps -e "$ROOT/python"
   rm -f "$CONSTRAINT"

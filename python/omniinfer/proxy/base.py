@@ -1,0 +1,158 @@
+"""Routing policy interface and registry: filter → score → pick, one policy per file.
+
+A policy sees a ``RouteRequest`` (token counts and the APC match per worker, computed by the
+router before routing) and the available workers of one role; it returns a ``Decision`` with a
+reason (counted in /metrics and written to the access log). Policies that need to hold requests
+back (deferred submission) override the async ``schedule``; those that learn from timing use the
+hooks. Adding a policy is adding one module to ``omniinfer.proxy.policies`` that calls
+``register_policy``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib
+import pkgutil
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TypeVar
+
+from omniinfer.proxy.prefix import PrefixIndex
+from omniinfer.proxy.workers import Role, Worker
+
+
+@dataclasses.dataclass(slots=True)
+class RouteRequest:
+    """What a policy may know about a request (all sizes in tokens)."""
+
+    request_id: str
+    prompt_tokens: int
+    output_tokens: int
+    block_hashes: Sequence[int] = ()
+    block_size: int = 16
+    matched_blocks: dict[str, int] = dataclasses.field(default_factory=dict)  # by worker URL
+    arrival: float = 0.0
+    endpoint: str = "generate"
+
+    def cached_tokens(self, worker: Worker) -> int:
+        """Prompt tokens the worker can reuse; SGLang always recomputes the last one."""
+        matched = self.matched_blocks.get(worker.url, 0) * self.block_size
+        return max(0, min(self.prompt_tokens - 1, matched))
+
+    def uncached_tokens(self, worker: Worker) -> int:
+        return self.prompt_tokens - self.cached_tokens(worker)
+
+
+@dataclasses.dataclass(slots=True)
+class Decision:
+    worker: Worker
+    reason: str
+    scores: dict[str, float] | None = None
+
+
+@dataclasses.dataclass
+class PolicyContext:
+    """Router state shared with policies (read-only for them)."""
+
+    config: Any  # omniinfer.proxy.config.RouterConfig
+    prefix_index: PrefixIndex
+    role: Role
+    mean_request_tokens: float = 512.0
+
+    def observe_request_tokens(self, tokens: int, weight: float = 0.05) -> None:
+        """Running mean of a request's token cost (turns request-count knobs into tokens)."""
+        self.mean_request_tokens += weight * (tokens - self.mean_request_tokens)
+
+
+class Filter(abc.ABC):
+    """Drops workers that must not take this request."""
+
+    @abc.abstractmethod
+    def __call__(self, request: RouteRequest, workers: list[Worker]) -> list[Worker]: ...
+
+
+class Scorer(abc.ABC):
+    """Scores each worker in [0, 1] (higher is better); ``category`` says what it balances."""
+
+    category: ClassVar[str] = "balance"  # "affinity" | "distribution" | "balance"
+
+    @abc.abstractmethod
+    def __call__(self, request: RouteRequest, workers: list[Worker]) -> dict[str, float]: ...
+
+
+class PolicyHooks:
+    """Optional hooks; the router calls them on the policy of the worker's role."""
+
+    def on_dispatch(self, request: RouteRequest, worker: Worker) -> None:
+        """The request was sent to ``worker``."""
+
+    def on_prefill_done(self, request: RouteRequest, worker: Worker, seconds: float) -> None:
+        """The worker finished this request's prefill ``seconds`` after dispatch."""
+
+    def on_complete(self, request: RouteRequest, worker: Worker, ok: bool) -> None:
+        """The worker is done with the request (ok False: it failed or was aborted)."""
+
+    def on_loads(self, worker: Worker) -> None:
+        """``worker.loads`` was refreshed from the worker's /v1/loads."""
+
+    def on_workers_changed(self, workers: Sequence[Worker]) -> None:
+        """A worker was added or removed."""
+
+
+class Policy(PolicyHooks, abc.ABC):
+    name: ClassVar[str] = "base"
+    uses_prefix: ClassVar[bool] = False  # the router matches the decode index only if True
+
+    def __init__(self, context: PolicyContext) -> None:
+        self.context = context
+        self.filters: list[Filter] = []
+
+    def filter(self, request: RouteRequest, workers: list[Worker]) -> list[Worker]:
+        for step in self.filters:
+            workers = step(request, workers)
+        return workers
+
+    @abc.abstractmethod
+    def pick(self, request: RouteRequest, workers: list[Worker]) -> Decision:
+        """Choose among ``workers`` (non-empty, already filtered)."""
+
+    async def schedule(self, request: RouteRequest, workers: list[Worker]) -> Decision | None:
+        """Filter then pick; None if no worker can take it. Deferring policies override this."""
+        workers = self.filter(request, workers)
+        return self.pick(request, workers) if workers else None
+
+
+_REGISTRY: dict[str, type[Policy]] = {}
+P = TypeVar("P", bound=type[Policy])
+
+
+def register_policy(name: str) -> Callable[[P], P]:
+    def wrap(cls: P) -> P:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"policy {name!r} registered twice")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def _load_builtin_policies() -> None:
+    package = importlib.import_module("omniinfer.proxy.policies")
+    for info in pkgutil.iter_modules(package.__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{package.__name__}.{info.name}")
+
+
+def available_policies() -> list[str]:
+    _load_builtin_policies()
+    return sorted(_REGISTRY)
+
+
+def create_policy(name: str, context: PolicyContext) -> Policy:
+    _load_builtin_policies()
+    try:
+        cls = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+    return cls(context)

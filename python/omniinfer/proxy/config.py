@@ -1,0 +1,122 @@
+"""The router's one configuration surface: ``sglang_router.launch_router``-compatible flags,
+optionally mirrored in a JSON file (``--config``, keys are flag names without dashes)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass
+class RouterConfig:
+    host: str = "0.0.0.0"
+    port: int = 30000
+    worker_urls: list[str] = dataclasses.field(default_factory=list)
+    pd_disaggregation: bool = False
+    prefill_urls: list[tuple[str, int | None]] = dataclasses.field(default_factory=list)
+    decode_urls: list[str] = dataclasses.field(default_factory=list)
+    policy: str = "cache_aware"
+    prefill_policy: str | None = None
+    decode_policy: str | None = None
+    cache_threshold: float = 0.5
+    balance_abs_threshold: float = 32
+    balance_rel_threshold: float = 1.1
+    max_tree_size: int = 1 << 24  # tokens per worker in the prefix index
+    apc_block_size: int = 16
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    max_payload_size: int = 256 * 1024 * 1024
+    request_timeout_secs: float = 1800.0
+    max_concurrent_requests: int = 1024
+    queue_size: int = 1024
+    queue_timeout_secs: float = 60.0
+    retry_max_retries: int = 3
+    retry_initial_backoff_ms: float = 20.0
+    retry_max_backoff_ms: float = 2000.0
+    retry_backoff_multiplier: float = 2.0
+    retry_jitter_factor: float = 0.2
+    disable_retries: bool = False
+    health_failure_threshold: int = 3
+    health_success_threshold: int = 2
+    health_check_timeout_secs: float = 5.0
+    health_check_interval_secs: float = 10.0
+    health_check_endpoint: str = "/health"
+    disable_health_check: bool = False
+    cb_failure_threshold: int = 5
+    cb_success_threshold: int = 2
+    cb_timeout_duration_secs: float = 10.0
+    disable_circuit_breaker: bool = False
+    loads_poll_interval_secs: float = 1.0
+    default_max_new_tokens: int = 128
+    access_log: str | None = None
+    prometheus_host: str | None = None
+    prometheus_port: int | None = None
+    log_level: str = "info"
+
+    @property
+    def max_attempts(self) -> int:
+        return 1 if self.disable_retries else 1 + max(0, self.retry_max_retries)
+
+    def policy_for(self, role: str) -> str:
+        if role == "prefill" and self.prefill_policy:
+            return self.prefill_policy
+        if role == "decode" and self.decode_policy:
+            return self.decode_policy
+        return self.policy
+
+    def validate(self) -> None:
+        if self.pd_disaggregation:
+            if not self.prefill_urls or not self.decode_urls:
+                raise ValueError("--pd-disaggregation needs at least one --prefill and one --decode")
+            if self.worker_urls:
+                raise ValueError("--worker-urls is for regular mode; use --prefill/--decode in PD mode")
+        elif self.prefill_urls or self.decode_urls:
+            raise ValueError("--prefill/--decode need --pd-disaggregation")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError("--cache-threshold must be within [0, 1]")
+        if self.apc_block_size <= 0:
+            raise ValueError("--apc-block-size must be positive")
+        if self.balance_rel_threshold < 1.0:
+            raise ValueError("--balance-rel-threshold must be >= 1")
+
+
+def parse_prefill(entries: list[list[str]] | None) -> list[tuple[str, int | None]]:
+    """``--prefill URL [BOOTSTRAP_PORT|none]`` groups, as sglang_router reads them."""
+    out: list[tuple[str, int | None]] = []
+    for entry in entries or []:
+        if len(entry) > 2:
+            raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT|none], got {' '.join(entry)}")
+        port: int | None = None
+        if len(entry) == 2 and entry[1].lower() != "none":
+            try:
+                port = int(entry[1])
+            except ValueError:
+                raise ValueError(
+                    f"invalid bootstrap port {entry[1]!r}: a number or 'none'") from None
+            if not 0 < port < 65536:
+                raise ValueError(f"bootstrap port out of range: {port}")
+        out.append((entry[0], port))
+    return out
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    values: dict[str, Any] = {}
+    names = {f.name for f in dataclasses.fields(RouterConfig)}
+    for key, value in vars(args).items():
+        if key in names and value is not None:
+            values[key] = value
+    values["prefill_urls"] = parse_prefill(getattr(args, "prefill", None))
+    values["decode_urls"] = [d[0] for d in getattr(args, "decode", None) or []]
+    config = RouterConfig(**values)
+    config.validate()
+    return config
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object of flag values")
+    return {key.replace("-", "_"): value for key, value in data.items()}

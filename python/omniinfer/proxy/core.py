@@ -1,0 +1,309 @@
+"""Router state and its background work: workers, policies, prefix indexes, health, loads.
+
+The per-request flow (regular and PD forwarding) is in ``forward.py``; HTTP routes in
+``server.py``. Everything runs on one asyncio loop; shared state is only touched from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import aiohttp
+import orjson
+
+from omniinfer.proxy.admission import Admission
+from omniinfer.proxy.base import Policy, PolicyContext, RouteRequest, create_policy
+from omniinfer.proxy.circuit import CircuitBreaker
+from omniinfer.proxy.config import RouterConfig
+from omniinfer.proxy.metrics import AccessLog, ProxyMetrics
+from omniinfer.proxy.prefix import PrefixIndex
+from omniinfer.proxy.tokenization import ApproxTokenizer, Tokenizer, load_tokenizer
+from omniinfer.proxy.workers import Role, Worker, WorkerLoads, WorkerPool
+
+log = logging.getLogger("omniinfer.proxy")
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+class Router:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.pd = config.pd_disaggregation
+        self.pool = WorkerPool()
+        for url in config.worker_urls:
+            self.pool.add(self.make_worker(url, Role.REGULAR))
+        for url, port in config.prefill_urls:
+            self.pool.add(self.make_worker(url, Role.PREFILL, port))
+        for url in config.decode_urls:
+            self.pool.add(self.make_worker(url, Role.DECODE))
+        blocks = max(1, config.max_tree_size // config.apc_block_size)
+        self.indexes = {role: PrefixIndex(blocks) for role in Role}
+        self.policies: dict[Role, Policy] = {
+            role: create_policy(config.policy_for(role.value),
+                                PolicyContext(config, self.indexes[role], role))
+            for role in self.roles()
+        }
+        self.admission = Admission(config.max_concurrent_requests, config.queue_size,
+                                   config.queue_timeout_secs)
+        self.metrics = ProxyMetrics(self.pool)
+        self.access_log = AccessLog(config.access_log) if config.access_log else None
+        self.tokenizer: Tokenizer = ApproxTokenizer()
+        self.session: aiohttp.ClientSession | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._loops: list[asyncio.Task[Any]] = []
+
+    # ---- set-up -----------------------------------------------------------------------------
+    def roles(self) -> tuple[Role, ...]:
+        return (Role.PREFILL, Role.DECODE) if self.pd else (Role.REGULAR,)
+
+    def make_worker(self, url: str, role: Role, bootstrap_port: int | None = None) -> Worker:
+        c = self.config
+        breaker = CircuitBreaker(c.cb_failure_threshold, c.cb_success_threshold,
+                                 c.cb_timeout_duration_secs, not c.disable_circuit_breaker)
+        return Worker(url, role, bootstrap_port, breaker)
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                             skip_auto_headers=("User-Agent",))
+        await self.check_health(initial=True)
+        self.tokenizer = await self._find_tokenizer()
+        log.info("tokenizer: %s", self.tokenizer.name)
+        if not self.config.disable_health_check:
+            self._loops.append(asyncio.create_task(self._health_loop()))
+        if self.config.loads_poll_interval_secs > 0:
+            self._loops.append(asyncio.create_task(self._loads_loop()))
+
+    async def _find_tokenizer(self) -> Tokenizer:
+        """The configured tokenizer; else the one a worker reports in /model_info, if local."""
+        path = self.config.tokenizer_path or self.config.model_path
+        if path is None:
+            for worker in self.pool.all():
+                info = await self.get_json(worker, "/model_info", timeout=5.0)
+                if isinstance(info, dict):
+                    for key in ("tokenizer_path", "model_path"):
+                        value = info.get(key)
+                        if isinstance(value, str) and os.path.isdir(value):
+                            path = value
+                            break
+                if path:
+                    break
+        if path is None:
+            return ApproxTokenizer()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, path)
+        except Exception as exc:  # a missing tokenizer degrades matching, it does not stop us
+            log.warning("could not load tokenizer %s (%s); counting approximate tokens", path, exc)
+            return ApproxTokenizer()
+
+    async def close(self) -> None:
+        for task in self._loops:
+            task.cancel()
+        for task in self._loops:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=2.0)
+        if self.session is not None:
+            await self.session.close()
+        if self.access_log is not None:
+            self.access_log.close()
+
+    # ---- helpers used by the request flow ---------------------------------------------------
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """A background task the router keeps a reference to until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def dispatch(self, route: RouteRequest, worker: Worker, tokens: int) -> None:
+        worker.inflight_requests += 1
+        worker.inflight_tokens += tokens
+        worker.total_requests += 1
+        self.indexes[worker.role].insert(worker.url, route.block_hashes)
+        policy = self.policies[worker.role]
+        policy.context.observe_request_tokens(tokens)
+        policy.on_dispatch(route, worker)
+
+    def undispatch(self, route: RouteRequest, worker: Worker, tokens: int, ok: bool) -> None:
+        worker.inflight_requests -= 1
+        worker.inflight_tokens -= tokens
+        self.policies[worker.role].on_complete(route, worker, ok)
+
+    def record_failure(self, worker: Worker, kind: str) -> None:
+        worker.breaker.record_failure(time.monotonic())
+        self.metrics.upstream_errors.labels(worker.url, worker.role.value, kind).inc()
+
+    def abort(self, worker: Worker, rids: list[str], cause: str) -> None:
+        """Fire-and-forget ``POST /abort_request {"rid": ...}`` (SGLang's abort by request id)."""
+        for rid in rids:
+            self.metrics.aborts.labels(worker.role.value, cause).inc()
+            self.spawn(self._post_abort(worker, rid))
+
+    async def _post_abort(self, worker: Worker, rid: str) -> None:
+        assert self.session is not None
+        try:
+            async with self.session.post(
+                    worker.url + "/abort_request", data=orjson.dumps({"rid": rid}),
+                    headers=JSON_HEADERS, timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            log.info("abort %s at %s failed: %s", rid, worker.url, exc)
+
+    async def get_json(self, worker: Worker, path: str, timeout: float) -> Any:
+        """GET ``path`` and decode JSON; None on any failure."""
+        assert self.session is not None
+        try:
+            async with self.session.get(worker.url + path,
+                                        timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                if resp.status != 200:
+                    return None
+                return orjson.loads(await resp.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, orjson.JSONDecodeError):
+            return None
+
+    # ---- health and loads -------------------------------------------------------------------
+    async def _probe(self, worker: Worker) -> bool:
+        assert self.session is not None
+        try:
+            async with self.session.get(
+                    worker.url + self.config.health_check_endpoint,
+                    timeout=aiohttp.ClientTimeout(total=self.config.health_check_timeout_secs)
+            ) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    def apply_health(self, worker: Worker, ok: bool, initial: bool = False) -> None:
+        """Eject after ``health_failure_threshold`` failures, re-admit after the success one."""
+        c = self.config
+        if ok:
+            worker.health_failures = 0
+            worker.health_successes += 1
+            if not worker.healthy and (initial or worker.health_successes >= c.health_success_threshold):
+                worker.healthy = True
+                worker.breaker.reset()
+                self.indexes[worker.role].clear(worker.url)  # a restarted worker has no cache
+                if not initial:
+                    log.warning("worker re-admitted: %s", worker.url)
+        else:
+            worker.health_successes = 0
+            worker.health_failures += 1
+            if worker.healthy and worker.health_failures >= c.health_failure_threshold:
+                worker.healthy = False
+                log.warning("worker ejected after %d failed health checks: %s",
+                            worker.health_failures, worker.url)
+
+    async def check_health(self, initial: bool = False, only_unhealthy: bool = False) -> None:
+        workers = [w for w in self.pool.all() if not (only_unhealthy and w.healthy)]
+        if not workers:
+            return
+        results = await asyncio.gather(*(self._probe(w) for w in workers))
+        for worker, ok in zip(workers, results, strict=True):
+            if self.pool.get(worker.url) is worker:
+                self.apply_health(worker, ok, initial)
+
+    async def _health_loop(self) -> None:
+        interval = max(0.05, self.config.health_check_interval_secs)
+        tick = min(interval, 1.0)
+        last_full = time.monotonic()
+        while True:
+            await asyncio.sleep(tick)
+            full = time.monotonic() - last_full >= interval
+            if full:
+                last_full = time.monotonic()
+            await self.check_health(only_unhealthy=not full)
+
+    async def poll_loads(self) -> None:
+        workers = [w for w in self.pool.all() if w.healthy and w.loads_supported]
+        results = await asyncio.gather(*(self._poll_one(w) for w in workers))
+        for worker, data in zip(workers, results, strict=True):
+            if data is None:
+                continue
+            worker.loads = WorkerLoads.from_json(data, time.time())
+            policy = self.policies.get(worker.role)
+            if policy is not None:
+                policy.on_loads(worker)
+
+    async def _poll_one(self, worker: Worker) -> Any:
+        assert self.session is not None
+        try:
+            async with self.session.get(worker.url + "/v1/loads?include=core",
+                                        timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+                if resp.status == 404:
+                    worker.loads_supported = False
+                    return None
+                return orjson.loads(await resp.read()) if resp.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, orjson.JSONDecodeError):
+            return None
+
+    async def _loads_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.loads_poll_interval_secs)
+            await self.poll_loads()
+
+    # ---- admin ------------------------------------------------------------------------------
+    async def add_worker(self, url: str, role: Role, bootstrap_port: int | None) -> Worker:
+        if role not in self.roles():
+            raise ValueError(f"role {role.value!r} is not served in "
+                             f"{'PD' if self.pd else 'regular'} mode")
+        worker = self.make_worker(url, role, bootstrap_port)
+        if self.pool.get(worker.url) is not None:
+            raise ValueError(f"worker already registered: {worker.url}")
+        self.apply_health(worker, await self._probe(worker), initial=True)
+        if self.pool.get(worker.url) is not None:  # added concurrently meanwhile
+            raise ValueError(f"worker already registered: {worker.url}")
+        self.pool.add(worker)
+        self.policies[role].on_workers_changed(self.pool.role(role))
+        return worker
+
+    def remove_worker(self, url: str) -> Worker:
+        worker = self.pool.get(url)
+        if worker is None:
+            raise KeyError(url)
+        self.pool.remove(worker.url)
+        self.indexes[worker.role].clear(worker.url)
+        self.policies[worker.role].on_workers_changed(self.pool.role(worker.role))
+        return worker
+
+    async def flush_cache(self) -> dict[str, int | str]:
+        assert self.session is not None
+
+        async def one(worker: Worker) -> int | str:
+            try:
+                async with self.session.post(worker.url + "/flush_cache",  # type: ignore[union-attr]
+                                             timeout=aiohttp.ClientTimeout(total=30.0)) as resp:
+                    await resp.read()
+                    return resp.status
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                return f"error: {exc.__class__.__name__}"
+
+        workers = self.pool.all()
+        results = await asyncio.gather(*(one(w) for w in workers))
+        for worker, status in zip(workers, results, strict=True):
+            if status == 200:
+                self.indexes[worker.role].clear(worker.url)
+        return {w.url: s for w, s in zip(workers, results, strict=True)}
+
+    def ready(self) -> bool:
+        now = time.monotonic()
+        return all(self.pool.candidates(role, now) for role in self.roles())
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "mode": "pd" if self.pd else "regular",
+            "policies": {role.value: p.name for role, p in self.policies.items()},
+            "tokenizer": self.tokenizer.name,
+            "apc_block_size": self.config.apc_block_size,
+            "admission": {"active": self.admission.active, "queued": self.admission.queued,
+                          "max_concurrent": self.config.max_concurrent_requests,
+                          "queue_size": self.config.queue_size},
+            "workers": [w.describe() for w in self.pool.all()],
+        }

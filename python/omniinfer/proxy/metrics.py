@@ -1,0 +1,124 @@
+"""Prometheus metrics of the router (its own registry, served at /metrics) and the access log."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import IO, Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from omniinfer.proxy.lifecycle import PHASE_NAMES, Lifecycle
+from omniinfer.proxy.workers import WorkerPool
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                   5.0, 10.0, 30.0, 60.0, 120.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+class WorkerCollector(Collector):
+    """Per-worker load read from the pool at scrape time (nothing to update per request)."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        specs = (
+            ("omniproxy_worker_inflight_tokens", "tokens of routed requests not yet finished",
+             lambda w: w.inflight_tokens),
+            ("omniproxy_worker_inflight_requests", "routed requests not yet finished",
+             lambda w: w.inflight_requests),
+            ("omniproxy_worker_queue_requests", "waiting requests reported by /v1/loads",
+             lambda w: w.loads.waiting_reqs),
+            ("omniproxy_worker_running_requests", "running requests reported by /v1/loads",
+             lambda w: w.loads.running_reqs),
+            ("omniproxy_worker_kv_usage", "KV cache token usage reported by /v1/loads",
+             lambda w: w.loads.token_usage),
+            ("omniproxy_worker_healthy", "1 if the worker passes health checks",
+             lambda w: 1.0 if w.healthy else 0.0),
+            ("omniproxy_worker_circuit_state", "0 closed, 1 open, 2 half-open",
+             lambda w: float(w.breaker.state)),
+        )
+        workers = self.pool.all()
+        for name, doc, read in specs:
+            family = GaugeMetricFamily(name, doc, labels=["worker", "role"])
+            for w in workers:
+                family.add_metric([w.url, w.role.value], float(read(w)))
+            yield family
+
+
+class ProxyMetrics:
+    def __init__(self, pool: WorkerPool) -> None:
+        disable_created_metrics()  # the *_created series only add noise to each scrape
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("omniproxy_requests", "answered requests", ["endpoint", "status"],
+                                registry=r)
+        self.phase = Histogram("omniproxy_phase_duration_seconds", "time in each request phase",
+                               ["phase"], buckets=LATENCY_BUCKETS, registry=r)
+        self._phase = {name: self.phase.labels(name) for name in PHASE_NAMES}
+        self.ttft = Histogram("omniproxy_ttft_seconds", "time to first token through the router",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("omniproxy_tpot_seconds", "time per output token after the first",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("omniproxy_e2e_seconds", "request latency through the router",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.decisions = Counter("omniproxy_routing_decisions", "routing decisions",
+                                 ["policy", "role", "reason"], registry=r)
+        self.retries = Counter("omniproxy_retries", "retried upstream attempts", ["role", "cause"],
+                               registry=r)
+        self.upstream_errors = Counter("omniproxy_upstream_errors", "failed upstream attempts",
+                                       ["worker", "role", "kind"], registry=r)
+        self.aborts = Counter("omniproxy_upstream_aborts", "abort_request sent to a worker",
+                              ["role", "cause"], registry=r)
+        self.rejected = Counter("omniproxy_admission_rejected", "requests answered 503",
+                                ["reason"], registry=r)
+        self.admission_active = Gauge("omniproxy_admission_active", "requests holding a slot",
+                                      registry=r)
+        self.admission_queued = Gauge("omniproxy_admission_queued", "requests waiting for a slot",
+                                      registry=r)
+        r.register(WorkerCollector(pool))
+
+    def observe(self, endpoint: str, status: int, life: Lifecycle) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+        for name, seconds in life.durations().items():
+            self._phase[name].observe(seconds)
+        if status == 200:
+            ttft, e2e, tpot = life.ttft(), life.e2e(), life.tpot()
+            if ttft is not None:
+                self.ttft.observe(ttft)
+            if e2e is not None:
+                self.e2e.observe(e2e)
+            if tpot is not None:
+                self.tpot.observe(tpot)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class AccessLog:
+    """One JSON line per answered request; buffered, flushed at most every second."""
+
+    def __init__(self, path: str) -> None:
+        self._file: IO[str] = open(path, "a", buffering=1 << 16)
+        self._flushed = time.monotonic()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, separators=(",", ":"), default=str) + "\n")
+        now = time.monotonic()
+        if now - self._flushed > 1.0:
+            self._file.flush()
+            self._flushed = now
+
+    def close(self) -> None:
+        self._file.close()

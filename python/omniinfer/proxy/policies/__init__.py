@@ -1,0 +1,2 @@
+"""Built-in routing policies, one module each; every module here is imported and registers itself
+with ``omniinfer.proxy.base.register_policy`` (so a new policy is one new file)."""

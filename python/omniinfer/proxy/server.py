@@ -1,0 +1,234 @@
+"""HTTP surface of the router (aiohttp on uvloop): SGLang's endpoints plus admin and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from omniinfer.proxy.config import RouterConfig
+from omniinfer.proxy.core import Router
+from omniinfer.proxy.forward import error_response, handle
+from omniinfer.proxy.workers import Role
+
+log = logging.getLogger("omniinfer.proxy")
+ROUTER_KEY = web.AppKey("router", Router)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+
+
+def _router(request: web.Request) -> Router:
+    return request.app[ROUTER_KEY]
+
+
+def _inference(endpoint: str) -> Any:
+    async def route(request: web.Request) -> web.StreamResponse:
+        return await handle(_router(request), request, endpoint)
+
+    return route
+
+
+async def _from_worker(request: web.Request, path: str) -> web.Response:
+    """GET ``path`` from the first available decode/regular worker and relay its answer."""
+    router = _router(request)
+    role = Role.DECODE if router.pd else Role.REGULAR
+    assert router.session is not None
+    for worker in router.pool.candidates(role, asyncio.get_running_loop().time()) or \
+            router.pool.role(role):
+        try:
+            async with router.session.get(worker.url + path,
+                                          timeout=aiohttp.ClientTimeout(total=10.0)) as resp:
+                return web.Response(status=resp.status if resp.status < 500 else 502,
+                                    body=await resp.read(),
+                                    content_type=resp.content_type or "application/json")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            continue
+    return error_response(503, "no worker answered", "unavailable", retry_after=1)
+
+
+async def models(request: web.Request) -> web.Response:
+    return await _from_worker(request, "/v1/models")
+
+
+async def model_info(request: web.Request) -> web.Response:
+    return await _from_worker(request, "/model_info")
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    return await _from_worker(request, "/health_generate")
+
+
+async def server_info(request: web.Request) -> web.Response:
+    router = _router(request)
+    role = Role.DECODE if router.pd else Role.REGULAR
+    info: Any = None
+    for worker in router.pool.role(role):
+        info = await router.get_json(worker, "/server_info", timeout=10.0)
+        if isinstance(info, dict):
+            break
+    data = dict(info) if isinstance(info, dict) else {}
+    data["omniproxy"] = router.describe()
+    return _json(data)
+
+
+async def health(request: web.Request) -> web.Response:
+    router = _router(request)
+    if router.ready():
+        return _json({"status": "ok"})
+    return _json({"status": "no healthy worker for every role"}, status=503)
+
+
+async def liveness(request: web.Request) -> web.Response:
+    return _json({"status": "alive"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    router = _router(request)
+    router.metrics.admission_active.set(router.admission.active)
+    router.metrics.admission_queued.set(router.admission.queued)
+    return web.Response(body=router.metrics.render(),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    results = await _router(request).flush_cache()
+    ok = all(status == 200 for status in results.values())
+    return _json({"success": ok, "workers": results}, status=200 if ok else 502)
+
+
+async def _worker_args(request: web.Request) -> dict[str, Any]:
+    """Worker fields from the query string (sglang_router style) or a JSON object body."""
+    args: dict[str, Any] = dict(request.query)
+    if request.can_read_body:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            raise ValueError("body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ValueError("body must be a JSON object")
+        args.update(body)
+    return args
+
+
+async def add_worker(request: web.Request) -> web.Response:
+    router = _router(request)
+    try:
+        args = await _worker_args(request)
+        url = args.get("url")
+        if not isinstance(url, str) or not url:
+            raise ValueError("'url' is required")
+        kind = args.get("worker_type", args.get("role"))
+        if kind is None and router.pd:
+            raise ValueError("PD mode: 'worker_type' must be 'prefill' or 'decode'")
+        try:
+            role = Role.REGULAR if kind is None else Role(kind)
+        except ValueError:
+            raise ValueError("'worker_type' must be regular, prefill or decode") from None
+        port = args.get("bootstrap_port")
+        if isinstance(port, str):
+            port = None if port.lower() in ("", "none") else int(port)
+        if port is not None and (not isinstance(port, int) or isinstance(port, bool)):
+            raise ValueError("'bootstrap_port' must be an integer or none")
+        worker = await router.add_worker(url, role, port)
+    except ValueError as exc:
+        return error_response(400, str(exc))
+    return _json({"added": worker.describe()})
+
+
+async def remove_worker(request: web.Request) -> web.Response:
+    router = _router(request)
+    try:
+        url = (await _worker_args(request)).get("url")
+        if not isinstance(url, str) or not url:
+            raise ValueError("'url' is required")
+        worker = router.remove_worker(url)
+    except ValueError as exc:
+        return error_response(400, str(exc))
+    except KeyError:
+        return error_response(404, f"no such worker: {url}")
+    return _json({"removed": worker.url})
+
+
+async def list_workers(request: web.Request) -> web.Response:
+    return _json(_router(request).describe())
+
+
+def build_app(router: Router) -> web.Application:
+    app = web.Application(client_max_size=router.config.max_payload_size)
+    app[ROUTER_KEY] = router
+    app.router.add_post("/generate", _inference("generate"))
+    app.router.add_post("/v1/completions", _inference("completions"))
+    app.router.add_post("/v1/chat/completions", _inference("chat"))
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/model_info", model_info)
+    app.router.add_get("/get_model_info", model_info)
+    app.router.add_get("/server_info", server_info)
+    app.router.add_get("/get_server_info", server_info)
+    app.router.add_get("/health", health)
+    app.router.add_get("/readiness", health)
+    app.router.add_get("/liveness", liveness)
+    app.router.add_get("/health_generate", health_generate)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_route("*", "/flush_cache", flush_cache)
+    app.router.add_post("/add_worker", add_worker)
+    app.router.add_post("/remove_worker", remove_worker)
+    app.router.add_get("/list_workers", list_workers)
+    return app
+
+
+async def _serve(config: RouterConfig) -> None:
+    router = Router(config)
+    await router.start()
+    runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port, backlog=4096).start()
+    extra = None
+    if config.prometheus_port:
+        metrics_app = web.Application()
+        metrics_app[ROUTER_KEY] = router
+        metrics_app.router.add_get("/metrics", metrics)
+        extra = web.AppRunner(metrics_app, access_log=None)
+        await extra.setup()
+        await web.TCPSite(extra, config.prometheus_host or config.host,
+                          config.prometheus_port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    workers = ", ".join(f"{w.role.value} {w.url}{' (down)' if not w.healthy else ''}"
+                        for w in router.pool.all())
+    log.info("OmniProxy listening on http://%s:%d (%s mode; policies %s; workers: %s)",
+             config.host, config.port, "PD" if router.pd else "regular",
+             {r.value: p.name for r, p in router.policies.items()}, workers)
+    await stop.wait()
+    log.info("shutting down")
+    await runner.cleanup()
+    if extra is not None:
+        await extra.cleanup()
+    await router.close()
+
+
+def serve(config: RouterConfig) -> int:
+    level = {"warn": logging.WARNING}.get(config.log_level, config.log_level.upper())
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # uvloop is optional; asyncio's loop also works
+        runner = asyncio.run
+    try:
+        runner(_serve(config))
+    except OSError as exc:
+        print(f"omniinfer router: error: {exc}", file=sys.stderr)
+        return 1
+    return 0

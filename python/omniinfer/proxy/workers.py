@@ -1,0 +1,142 @@
+"""Workers the router knows: their role, health, circuit breaker and load in tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable
+from typing import Any
+from urllib.parse import urlsplit
+
+from omniinfer.proxy.circuit import CircuitBreaker
+
+
+class Role(str, enum.Enum):
+    REGULAR = "regular"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclasses.dataclass(slots=True)
+class WorkerLoads:
+    """The worker's own view of its load, polled from SGLang's ``GET /v1/loads`` (all DP ranks)."""
+
+    running_reqs: int = 0
+    waiting_reqs: int = 0
+    waiting_uncached_tokens: int = 0
+    used_tokens: int = 0
+    max_total_tokens: int = 0
+    token_usage: float = 0.0
+    gen_throughput: float = 0.0
+    polled_at: float = 0.0
+
+    @classmethod
+    def from_json(cls, data: Any, now: float) -> WorkerLoads:
+        """Sum the per-rank entries of a /v1/loads answer; unknown shapes give zeros."""
+        loads = cls(polled_at=now)
+        ranks = data.get("loads", []) if isinstance(data, dict) else []
+        usages = []
+        for rank in ranks if isinstance(ranks, list) else []:
+            if not isinstance(rank, dict):
+                continue
+            loads.running_reqs += _int(rank.get("num_running_reqs"))
+            loads.waiting_reqs += _int(rank.get("num_waiting_reqs"))
+            loads.waiting_uncached_tokens += _int(rank.get("num_waiting_uncached_tokens"))
+            loads.used_tokens += _int(rank.get("num_used_tokens"))
+            loads.max_total_tokens += _int(rank.get("max_total_num_tokens"))
+            loads.gen_throughput += _float(rank.get("gen_throughput"))
+            usages.append(_float(rank.get("token_usage")))
+        loads.token_usage = max(usages, default=0.0)
+        return loads
+
+
+def _int(value: Any) -> int:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+
+
+def _float(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+@dataclasses.dataclass(eq=False)
+class Worker:
+    """One upstream SGLang server. Load counters are in tokens, updated at dispatch/finish."""
+
+    url: str
+    role: Role
+    bootstrap_port: int | None = None
+    breaker: CircuitBreaker = dataclasses.field(default_factory=CircuitBreaker)
+    healthy: bool = False
+    health_failures: int = 0
+    health_successes: int = 0
+    inflight_requests: int = 0
+    inflight_tokens: int = 0
+    total_requests: int = 0
+    loads: WorkerLoads = dataclasses.field(default_factory=WorkerLoads)
+    loads_supported: bool = True
+
+    def __post_init__(self) -> None:
+        self.url = normalize_url(self.url)
+        self.host = urlsplit(self.url).hostname or "127.0.0.1"
+
+    def available(self, now: float) -> bool:
+        return self.healthy and self.breaker.allows(now)
+
+    def load_tokens(self) -> int:
+        """Tokens this worker still has to process for requests the router sent it."""
+        return self.inflight_tokens
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "url": self.url, "role": self.role.value, "bootstrap_port": self.bootstrap_port,
+            "healthy": self.healthy, "circuit": self.breaker.state.name.lower(),
+            "inflight_requests": self.inflight_requests, "inflight_tokens": self.inflight_tokens,
+            "total_requests": self.total_requests, "loads": dataclasses.asdict(self.loads),
+        }
+
+
+def normalize_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not a worker URL: {url!r}")
+    return url
+
+
+class WorkerPool:
+    """All workers by URL, with cached per-role lists (the hot path only reads them)."""
+
+    def __init__(self, workers: Iterable[Worker] = ()) -> None:
+        self._workers: dict[str, Worker] = {}
+        self._by_role: dict[Role, list[Worker]] = {role: [] for role in Role}
+        for worker in workers:
+            self.add(worker)
+
+    def add(self, worker: Worker) -> None:
+        if worker.url in self._workers:
+            raise ValueError(f"worker already registered: {worker.url}")
+        self._workers[worker.url] = worker
+        self._by_role[worker.role] = [*self._by_role[worker.role], worker]
+
+    def remove(self, url: str) -> Worker:
+        worker = self._workers.pop(normalize_url(url))
+        self._by_role[worker.role] = [w for w in self._by_role[worker.role] if w is not worker]
+        return worker
+
+    def get(self, url: str) -> Worker | None:
+        try:
+            return self._workers.get(normalize_url(url))
+        except ValueError:
+            return None
+
+    def all(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def role(self, role: Role) -> list[Worker]:
+        return self._by_role[role]
+
+    def candidates(self, role: Role, now: float, exclude: Iterable[Worker] = ()) -> list[Worker]:
+        excluded = set(map(id, exclude))
+        return [w for w in self._by_role[role] if id(w) not in excluded and w.available(now)]

@@ -1,0 +1,1 @@
+"""``python -m omniinfer.router``: the launcher name mirroring ``sglang_router.launch_router``."""
