@@ -24,4 +24,5 @@ def test_demo_answers_and_prints_benchmark_table(tmp_path: Path) -> None:
     assert "Requests per minute (QPM)" in result.stdout and "Completed / errors" in result.stdout
     assert "4 / 0" in result.stdout
     assert (tmp_path / "bench-summary.json").is_file()
-    assert "[demo] server stopped" in result.stdout
+    assert "[demo] server and router stopped" in result.stdout
+    assert "OmniProxy (cache_aware) in front" in result.stdout

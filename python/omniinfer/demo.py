@@ -1,4 +1,4 @@
-"""The end-to-end demo: the real SGLang on this machine with the plugin, a chat answer, a benchmark.
+"""The end-to-end demo: the real SGLang with the plugin, OmniProxy in front, a chat answer, a benchmark.
 
 Every process it starts runs in one process group that is stopped on exit, also on Ctrl-C.
 """
@@ -18,6 +18,7 @@ from omniinfer.bench.metrics import format_table, summarize
 from omniinfer.bench.runner import run_closed_loop
 from omniinfer.bench.workloads import WorkloadSpec, text_corpus
 from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
+from omniinfer.proxy.process import RouterProcess
 
 QUESTION = "What is the capital of France? Answer in one short sentence."
 
@@ -62,32 +63,42 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with SGLangServer(command, cpu_env(), log, port) as server:
         print(f"[demo] server ready in {time.monotonic() - started:.0f} s at {server.base_url}")
-        print(f"[demo] Q: {QUESTION}")
-        print(f"[demo] A: {chat(server.base_url, QUESTION)}")
-
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        spec = WorkloadSpec(args.num_requests, args.input_len, args.output_len, seed=0)
-        requests = text_corpus(spec, tokenizer)
-        # The first batches of a new shape are slow on the CPU engine; warm up before measuring.
-        warmup = text_corpus(WorkloadSpec(args.concurrency, args.input_len, 4, seed=1), tokenizer)
-        asyncio.run(run_closed_loop(server.base_url, warmup, args.concurrency, progress=False))
-        print(
-            f"[demo] closed loop: {args.num_requests} requests, concurrency {args.concurrency}, "
-            f"{args.input_len} tokens in / {args.output_len} out"
-        )
-        results, duration = asyncio.run(run_closed_loop(server.base_url, requests, args.concurrency))
-        summary = summarize(results, duration)
-        summary["concurrency"] = args.concurrency
-        print(format_table(summary, f"SGLang on CPU, {args.model.name}"))
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-        (args.output_dir / "bench-summary.json").write_text(json.dumps(summary, indent=2))
-        failed = [r for r in results if not r.ok]
-        for r in failed[:3]:
-            print(f"[demo] request {r.index} failed: {r.error}", file=sys.stderr)
-    print("[demo] server stopped")
+        router_log = args.output_dir / "omniproxy.log"
+        router = RouterProcess(
+            ["--worker-urls", server.base_url, "--policy", "cache_aware",
+             "--model-path", str(args.model)], router_log)
+        with router:
+            print(f"[demo] OmniProxy (cache_aware) in front of it at {router.base_url}; log: {router_log}")
+            failed = _ask_and_benchmark(router.base_url, args)
+    print("[demo] server and router stopped")
     return 1 if failed else 0
+
+
+def _ask_and_benchmark(base_url: str, args: argparse.Namespace) -> list[object]:
+    """One chat answer, then the closed-loop benchmark table, both through ``base_url``."""
+    from transformers import AutoTokenizer
+
+    print(f"[demo] Q: {QUESTION}")
+    print(f"[demo] A: {chat(base_url, QUESTION)}")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    requests = text_corpus(WorkloadSpec(args.num_requests, args.input_len, args.output_len), tokenizer)
+    # The first batches of a new shape are slow on the CPU engine; warm up before measuring.
+    warmup = text_corpus(WorkloadSpec(args.concurrency, args.input_len, 4, seed=1), tokenizer)
+    asyncio.run(run_closed_loop(base_url, warmup, args.concurrency, progress=False))
+    print(
+        f"[demo] closed loop: {args.num_requests} requests, concurrency {args.concurrency}, "
+        f"{args.input_len} tokens in / {args.output_len} out"
+    )
+    results, duration = asyncio.run(run_closed_loop(base_url, requests, args.concurrency))
+    summary = summarize(results, duration)
+    summary["concurrency"] = args.concurrency
+    print(format_table(summary, f"SGLang on CPU via OmniProxy, {args.model.name}"))
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "bench-summary.json").write_text(json.dumps(summary, indent=2))
+    failed = [r for r in results if not r.ok]
+    for r in failed[:3]:
+        print(f"[demo] request {r.index} failed: {r.error}", file=sys.stderr)
+    return failed
 
 
 if __name__ == "__main__":
