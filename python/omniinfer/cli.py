@@ -15,6 +15,7 @@ from omniinfer import __version__
 SUBCOMMANDS: tuple[str, ...] = (
     "omniinfer.bench.cli",
     "omniinfer.placement.cli",
+    "omniinfer.emulator.cli",
     "omniinfer.proxy.cli",
 )
 
