@@ -81,15 +81,20 @@ def train_tokenizer() -> Any:
     return fast
 
 
-def build(arch: str, output: Path, seed: int = 0, tokenizer: Any = None) -> Path:
-    """Write a tiny random model of ``arch`` ("llama" or "qwen3_moe") to ``output``."""
+def build(
+    arch: str, output: Path, seed: int = 0, tokenizer: Any = None, **overrides: Any
+) -> Path:
+    """Write a tiny random model of ``arch`` ("llama" or "qwen3_moe") to ``output``.
+
+    ``overrides`` change config fields (e.g. a larger MoE for benchmarks).
+    """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(ARCHITECTURES)}")
     model_type, extra = ARCHITECTURES[arch]
-    config = AutoConfig.for_model(model_type, **COMMON, **extra)
+    config = AutoConfig.for_model(model_type, **{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(output)

@@ -124,7 +124,7 @@ class PlacementController:
             for live, new in zip(self.weights[layer], tensors, strict=True):
                 live[local_slot].copy_(new)
         self.metadata.update(staged.metadata, update_layer_ids=staged.layers)
-        staged.record.update(switched_at_pass=self.passes,
+        staged.record.update(switched_at_pass=self.passes, switched_unix=time.time(),
                              switch_ms=round(1000 * (time.perf_counter() - started), 3), state="adopted")
         self.inbox.put(("switched", staged.new_map))
         self.pending = None
@@ -189,7 +189,8 @@ class PlacementController:
     def _migrate(self, pass_id: int, new_map: np.ndarray) -> None:
         from sglang.srt.eplb.expert_location import ExpertLocationMetadata
 
-        record: dict[str, Any] = {"decided_at_pass": pass_id, "state": "staging"}
+        record: dict[str, Any] = {"decided_at_pass": pass_id, "state": "staging",
+                                  "staging_started_unix": time.time()}
         started = time.perf_counter()
         old_map = self.map
         copies = plan_slot_copies(old_map, new_map, self.num_ranks, self.moe_layers)
@@ -212,7 +213,7 @@ class PlacementController:
             layers=layers, slots_copied=len(copies),
             remote_copies=sum(1 for c in copies if not c.is_local),
             bytes_staged=int(sum(t.numel() * t.element_size() for ts in staged.values() for t in ts)),
-            staging_ms=round(1000 * (time.perf_counter() - started), 3),
+            staging_ms=round(1000 * (time.perf_counter() - started), 3), staged_unix=time.time(),
         )
         if int(verdict.item()) == 0:
             record["state"] = "failed; old layout kept"
