@@ -76,8 +76,15 @@ class ServerFailed(RuntimeError):
     """The server exited or did not become ready; the message ends with its log tail."""
 
 
-class SGLangServer:
-    """A running ``sglang.launch_server``; use as a context manager."""
+class ManagedProcess:
+    """A child process in its own process group, ready when ``ready_path`` answers 200.
+
+    Use as a context manager; ``stop`` ends the whole group (the server and what it spawned).
+    """
+
+    kind = "process"
+    ready_path = "/health"
+    poll_s = 0.5
 
     def __init__(
         self,
@@ -89,7 +96,7 @@ class SGLangServer:
     ) -> None:
         self.command = list(command)
         self.env = env
-        self.log_path = log_path
+        self.log_path = Path(log_path)
         self.port = port
         self.ready_timeout_s = ready_timeout_s
         self.process: subprocess.Popen[bytes] | None = None
@@ -104,15 +111,19 @@ class SGLangServer:
         except OSError:
             return "(no log)"
 
-    def start(self) -> SGLangServer:
+    def start(self) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(
-            self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-        )
-        log.close()
-        self.wait_ready()
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def wait_ready(self) -> None:
@@ -121,17 +132,18 @@ class SGLangServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise ServerFailed(
-                    f"server exited with code {self.process.returncode}\n{self.log_tail()}"
+                    f"{self.kind} exited with code {self.process.returncode}\n{self.log_tail()}"
                 )
             try:
-                with urllib.request.urlopen(f"{self.base_url}/health_generate", timeout=30) as r:
+                with urllib.request.urlopen(self.base_url + self.ready_path, timeout=30) as r:
                     if r.status == 200:
                         return
             except (urllib.error.URLError, OSError):
                 pass
-            time.sleep(1.0)
-        self.stop()
-        raise ServerFailed(f"server not ready after {self.ready_timeout_s:.0f} s\n{self.log_tail()}")
+            time.sleep(self.poll_s)
+        raise ServerFailed(
+            f"{self.kind} not ready after {self.ready_timeout_s:.0f} s\n{self.log_tail()}"
+        )
 
     def stop(self, grace_s: float = 20.0) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -143,13 +155,21 @@ class SGLangServer:
         except subprocess.TimeoutExpired:
             pass
         try:
-            os.killpg(pgid, signal.SIGKILL)  # scheduler and detokenizer children too
+            os.killpg(pgid, signal.SIGKILL)  # children that outlived their parent too
         except ProcessLookupError:
             pass
         self.process.wait()
 
-    def __enter__(self) -> SGLangServer:
+    def __enter__(self) -> ManagedProcess:
         return self.start()
 
     def __exit__(self, *_exc: object) -> None:
         self.stop()
+
+
+class SGLangServer(ManagedProcess):
+    """A running ``sglang.launch_server``: ready when it can generate."""
+
+    kind = "server"
+    ready_path = "/health_generate"
+    poll_s = 1.0
