@@ -1,0 +1,84 @@
+"""PyTorch reference for sink + recent decode attention over SGLang's paged KV.
+
+Deliberately simple (one request at a time, fp32 math, explicit gather) so that it is obviously
+right; the Triton kernel is tested against it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .indices import check_window, kept_positions
+
+
+def _soft_cap(scores: torch.Tensor, logit_cap: float) -> torch.Tensor:
+    """SGLang's logit cap: ``cap * tanh(s / cap)``, off when ``cap <= 0``."""
+    return logit_cap * torch.tanh(scores / logit_cap) if logit_cap > 0 else scores
+
+
+def attend_slots(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    slots: torch.Tensor,
+    sm_scale: float,
+    logit_cap: float = 0.0,
+) -> torch.Tensor:
+    """One request's decode attention over the given KV slots; q is [num_q_heads, head_dim].
+
+    Returns fp32 [num_q_heads, head_dim_v]; zeros when ``slots`` is empty (a padded row).
+    """
+    num_q_heads = q.shape[0]
+    num_kv_heads, dv = v_buffer.shape[1], v_buffer.shape[2]
+    if slots.numel() == 0:
+        return torch.zeros(num_q_heads, dv, dtype=torch.float32, device=q.device)
+    group = num_q_heads // num_kv_heads
+    k = k_buffer[slots].float()  # [n, Hkv, Dk]
+    v = v_buffer[slots].float()  # [n, Hkv, Dv]
+    qg = q.float().view(num_kv_heads, group, -1)
+    scores = torch.einsum("hgd,nhd->hgn", qg, k) * sm_scale
+    probs = torch.softmax(_soft_cap(scores, logit_cap), dim=-1)
+    return torch.einsum("hgn,nhd->hgd", probs, v).reshape(num_q_heads, dv)
+
+
+def decode_sink_recent_reference(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sink: int,
+    recent: int,
+    sm_scale: float | None = None,
+    logit_cap: float = 0.0,
+) -> torch.Tensor:
+    """fp32 [batch, num_q_heads, head_dim_v] attention over each request's kept tokens."""
+    check_window(sink, recent)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    out = []
+    for b in range(q.shape[0]):
+        length = int(seq_lens[b])
+        pos = kept_positions(length, sink, recent, device=req_to_token.device)
+        slots = req_to_token[int(req_pool_indices[b]), pos].long()
+        out.append(attend_slots(q[b], k_buffer, v_buffer, slots, scale, logit_cap))
+    return torch.stack(out)
+
+
+def decode_full_reference(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float | None = None,
+    logit_cap: float = 0.0,
+) -> torch.Tensor:
+    """Ordinary decode attention over every token, for the short-sequence equality checks."""
+    return decode_sink_recent_reference(
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+        sink=0, recent=max(1, req_to_token.shape[1]), sm_scale=sm_scale, logit_cap=logit_cap,
+    )

@@ -1,0 +1,79 @@
+"""Random paged-KV inputs in SGLang's layout, shared by the tests and the GPU check.
+
+Pages are handed out in a shuffled order and requests sit on shuffled rows of a larger
+``req_to_token`` pool, so a kernel that assumes contiguous slots, identity row mapping or
+page-aligned windows reads the wrong tokens and fails the comparison. Slot 0 stays unused, as
+in SGLang, and unused table entries point at it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedInputs:
+    """One decode step's attention inputs for a single layer."""
+
+    q: torch.Tensor
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        """Positional arguments of the kernel and reference entry points."""
+        return (self.q, self.k_buffer, self.v_buffer, self.req_to_token,
+                self.req_pool_indices, self.seq_lens)
+
+
+def make_paged_inputs(
+    seq_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    page_size: int = 4,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    max_context: int | None = None,
+    spare_rows: int = 2,
+    head_dim_v: int | None = None,
+) -> PagedInputs:
+    """Random q/K/V with each request's tokens on randomly placed pages."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(seq_lens)
+    max_context = max_context or max(max(seq_lens, default=1), 1)
+    if max(seq_lens, default=0) > max_context:
+        raise ValueError("a sequence is longer than max_context")
+    pages_per_req = [-(-n // page_size) for n in seq_lens]
+    num_pages = sum(pages_per_req) + 2  # page 0 holds the reserved slot 0, plus one spare
+    order = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+    num_rows = batch + spare_rows
+    rows = torch.randperm(num_rows, generator=gen)[:batch]
+    req_to_token = torch.zeros(num_rows, max_context, dtype=torch.int32)
+    for b, n in enumerate(seq_lens):
+        pages = torch.tensor([order.pop() for _ in range(pages_per_req[b])], dtype=torch.int64)
+        pos = torch.arange(n)
+        slots = pages[pos // page_size] * page_size + pos % page_size
+        req_to_token[rows[b], :n] = slots.to(torch.int32)
+    num_slots = num_pages * page_size
+    dv = head_dim_v or head_dim
+    # Values are drawn on the target device: the GPU check builds gigabytes of KV.
+    dev_gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=dev_gen, device=device).to(dtype)
+
+    return PagedInputs(
+        q=rand(batch, num_q_heads, head_dim),
+        k_buffer=rand(num_slots, num_kv_heads, head_dim),
+        v_buffer=rand(num_slots, num_kv_heads, dv),
+        req_to_token=req_to_token.to(device),
+        req_pool_indices=rows.to(torch.int64).to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(device),
+    )
