@@ -92,7 +92,7 @@ class ManagedProcess:
         env: dict[str, str],
         log_path: Path,
         port: int,
-        ready_timeout_s: float = 240.0,
+        ready_timeout_s: float = 600.0,
     ) -> None:
         self.command = list(command)
         self.env = env

@@ -306,4 +306,6 @@ class Router:
                           "max_concurrent": self.config.max_concurrent_requests,
                           "queue_size": self.config.queue_size},
             "workers": [w.describe() for w in self.pool.all()],
+            "policy_state": {role.value: p.describe() for role, p in self.policies.items()
+                             if hasattr(p, "describe")},
         }

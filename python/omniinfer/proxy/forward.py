@@ -372,8 +372,35 @@ async def _prefill(router: Router, ex: Exchange, worker: Worker, path: str, payl
     now = time.perf_counter()
     ex.life.enter(Phase.DECODE_WAITING, now)
     worker.breaker.record_success()
+    reported = _reported_cached(data)
+    if reported is not None:  # what the worker says it reused, beside what we predicted
+        ex.record["reported_cached_tokens"] = reported
     router.policies[Role.PREFILL].on_prefill_done(ex.route, worker, now - posted)
     return 200, data
+
+
+def _reported_cached(data: bytes) -> int | None:
+    """meta_info.cached_tokens (or usage's) of a prefill answer, JSON or the last SSE event."""
+    try:
+        if data.lstrip().startswith(b"data:"):
+            events = [line[5:].strip() for line in data.split(b"\n") if line.startswith(b"data:")]
+            events = [e for e in events if e and e != b"[DONE]"]
+            obj = orjson.loads(events[-1]) if events else None
+        else:
+            obj = orjson.loads(data)
+    except (orjson.JSONDecodeError, ValueError):
+        return None
+    obj = obj[0] if isinstance(obj, list) and obj else obj
+    if not isinstance(obj, dict):
+        return None
+    meta = obj.get("meta_info")
+    if isinstance(meta, dict) and isinstance(meta.get("cached_tokens"), int):
+        return int(meta["cached_tokens"])
+    details = (obj.get("usage") or {}).get("prompt_tokens_details") if isinstance(
+        obj.get("usage"), dict) else None
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        return int(details["cached_tokens"])
+    return None
 
 
 def _release_prefill(router: Router, ex: Exchange, worker: Worker, cost: int,

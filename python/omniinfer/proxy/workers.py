@@ -28,6 +28,9 @@ class WorkerLoads:
     max_total_tokens: int = 0
     token_usage: float = 0.0
     gen_throughput: float = 0.0
+    max_running_reqs: int = 0
+    prefill_busy_us: int = 0  # cumulative prefill step time (SGLang's total_prefill_busy_us)
+    prefill_uncached_tokens: int = 0  # cumulative (total_prefill_uncached_tokens)
     polled_at: float = 0.0
 
     @classmethod
@@ -45,6 +48,9 @@ class WorkerLoads:
             loads.used_tokens += _int(rank.get("num_used_tokens"))
             loads.max_total_tokens += _int(rank.get("max_total_num_tokens"))
             loads.gen_throughput += _float(rank.get("gen_throughput"))
+            loads.max_running_reqs += _int(rank.get("max_running_requests"))
+            loads.prefill_busy_us += _int(rank.get("total_prefill_busy_us"))
+            loads.prefill_uncached_tokens += _int(rank.get("total_prefill_uncached_tokens"))
             usages.append(_float(rank.get("token_usage")))
         loads.token_usage = max(usages, default=0.0)
         return loads

@@ -1,0 +1,261 @@
+"""OmniProxy OAS against the upstream sglang-router on emulated PD clusters, in one run.
+
+For each cluster (2P1D and 4P1D emulated ``h100-llama3-8b`` workers at ``--time-scale``) and
+each router — OmniProxy with ``oas``, ``omni_default``, ``omni_earliest_batch`` (and the OAS
+ablations on 4P1D), the Rust ``sglang_router`` 0.3.2 with ``round_robin``, ``cache_aware`` and
+``power_of_two`` — it runs the ``paper`` workload closed-loop at each concurrency of the sweep
+and the Mooncake conversation trace open-loop, with the prefix caches flushed before each run.
+Times are converted back to model seconds (divided by the time scale) before the SLO
+(TTFT < 2 s, TPOT < 50 ms) is applied. Writes ``results.json``, ``goodput.png`` and
+``ttft_cdf.png`` to ``--output-dir`` and prints the tables (``--markdown`` prints the docs one).
+
+    python benchmark/proxy/oas_eval.py --quick          # a few minutes
+    python benchmark/proxy/oas_eval.py                  # the full run (about 25 minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from cluster import (  # noqa: E402
+    EmulatedCluster,
+    free_port,
+    omni_router_args,
+    omni_router_command,
+    sglang_router_command,
+    start_router,
+)
+from report import write_report  # noqa: E402
+
+from omniinfer.bench.client import RequestResult  # noqa: E402
+from omniinfer.bench.metrics import summarize  # noqa: E402
+from omniinfer.bench.runner import run_closed_loop, run_trace_replay  # noqa: E402
+from omniinfer.bench.workloads import BenchRequest, WorkloadSpec, mooncake, paper  # noqa: E402
+
+OURS = ("oas", "omni_default", "omni_earliest_batch")
+ABLATIONS = ("oas_no_defer", "oas_no_resort", "oas_no_cache", "oas_no_lpt")
+SGLANG = ("round_robin", "cache_aware", "power_of_two")
+VOCAB = 128000
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str  # as shown in tables: "omni:oas", "sglang:round_robin"
+    router: str  # "omni" | "sglang"
+    policy: str
+
+
+def targets(ablations: bool) -> list[Target]:
+    out = [Target(f"omni:{p}", "omni", p) for p in OURS]
+    if ablations:
+        out += [Target(f"omni:{p}", "omni", p) for p in ABLATIONS]
+    out += [Target(f"sglang:{p}", "sglang", p) for p in SGLANG]
+    return out
+
+
+def to_model_time(results: list[RequestResult], scale: float) -> list[RequestResult]:
+    out = []
+    for r in results:
+        out.append(dataclasses.replace(
+            r, ttft=None if r.ttft is None else r.ttft / scale,
+            e2e=None if r.e2e is None else r.e2e / scale, itl=[x / scale for x in r.itl],
+            start=r.start / scale, end=r.end / scale))
+    return out
+
+
+def prediction_match(access_log: Path) -> dict[str, float] | None:
+    """How often the router's predicted cached tokens equal what the prefill worker reported."""
+    if not access_log.exists():
+        return None
+    rows = [json.loads(line) for line in access_log.read_text().splitlines() if line.strip()]
+    pairs = []
+    for row in rows:
+        pre = [d for d in row.get("decisions", []) if d.get("role") == "prefill"]
+        if pre and "reported_cached_tokens" in row:
+            pairs.append((pre[-1]["cached_tokens"], row["reported_cached_tokens"]))
+    if not pairs:
+        return None
+    block = 16
+    exact = sum(1 for p, r in pairs if abs(p - r) < block)
+    hits = [(p, r) for p, r in pairs if r > 0 or p > 0]
+    return {"requests": len(pairs), "within_one_block": exact / len(pairs),
+            "predicted_tokens": float(sum(p for p, _ in pairs)),
+            "reported_tokens": float(sum(r for _, r in pairs)),
+            "hit_requests": len(hits),
+            "hit_within_one_block": (sum(1 for p, r in hits if abs(p - r) < block) / len(hits)
+                                     if hits else 1.0)}
+
+
+async def run_one(url: str, requests: list[BenchRequest], mode: str, concurrency: int,
+                  replay_scale: float) -> tuple[list[RequestResult], float]:
+    if mode == "closed":
+        return await run_closed_loop(url, requests, concurrency, progress=False,
+                                     timeout_s=600)
+    return await run_trace_replay(url, requests, replay_scale, progress=False, timeout_s=600)
+
+
+def run_target(target: Target, cluster: EmulatedCluster, workloads: list[dict[str, Any]],
+               args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
+    port = free_port()
+    access = log_dir / f"{target.name.replace(':', '_')}.access.jsonl"
+    if target.router == "omni":
+        command = omni_router_command(omni_router_args(cluster, target.policy, target.policy,
+                                                       access), port)
+    else:  # sglang-router refuses power_of_two over one decode worker; one choice is no choice
+        decode = target.policy if len(cluster.decode) > 1 else "round_robin"
+        command = sglang_router_command(cluster, target.policy, decode, port)
+    rows = []
+    for wl in workloads:
+        cluster.flush()
+        access.unlink(missing_ok=True)
+        router = start_router(command, port, log_dir / f"{target.name.replace(':', '_')}.log")
+        try:
+            results, duration = asyncio.run(run_one(
+                f"http://127.0.0.1:{port}", wl["requests"], wl["mode"], wl["concurrency"],
+                args.time_scale / args.trace_speedup))
+        finally:
+            router.stop()
+        model = to_model_time(results, args.time_scale)
+        summary = summarize(model, duration / args.time_scale, args.slo_ttft, args.slo_tpot)
+        ok = [r for r in model if r.ok]
+        row = {"target": target.name, "workload": wl["name"], "concurrency": wl["concurrency"],
+               "summary": summary, "ttfts": [r.ttft for r in ok if r.ttft is not None],
+               "errors": [r.error for r in model if not r.ok][:3],
+               "slo_share": (sum(1 for r in ok if r.ttft is not None and r.ttft <= args.slo_ttft
+                                 and (r.tpot is None or r.tpot <= args.slo_tpot))
+                             / max(1, len(model)))}
+        if target.router == "omni":
+            time.sleep(1.2)  # the access log is flushed about every second
+            row["prediction"] = prediction_match(access)
+        rows.append(row)
+        s = summary
+        print(f"  {target.name:26s} {wl['name']:10s} c={wl['concurrency']:<4} "
+              f"QPM {s['requests_per_minute']:7.1f}  goodput {s['goodput_requests_per_minute']:7.1f}"
+              f"  TTFT p50/p99 {s['median_ttft_ms'] or 0:7.0f}/{s['p99_ttft_ms'] or 0:7.0f} ms"
+              f"  TPOT p50 {s['median_tpot_ms'] or 0:5.1f} ms  err {s['errors']}", flush=True)
+    return rows
+
+
+def build_workloads(args: argparse.Namespace, concurrency: list[int]) -> list[dict[str, Any]]:
+    spec = WorkloadSpec(num_requests=args.num_requests, seed=args.seed, vocab_size=VOCAB,
+                        output_scale=args.output_scale, max_total_len=8000)
+    reqs = paper(dataclasses.replace(spec, num_requests=args.num_requests
+                                     + args.requests_per_client * max(concurrency)))
+    # more clients need more requests, or the run is one burst and its drain
+    out = [{"name": "paper", "mode": "closed", "concurrency": c,
+            "requests": reqs[:args.num_requests + args.requests_per_client * c]}
+           for c in concurrency]
+    mspec = WorkloadSpec(num_requests=args.mooncake_requests, seed=args.seed, vocab_size=VOCAB,
+                         input_scale=args.mooncake_input_scale, output_scale=args.output_scale,
+                         max_total_len=8000)
+    out.append({"name": "mooncake", "mode": "open", "concurrency": 0,
+                "requests": mooncake(mspec)})
+    return out
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # so the finally blocks stop every process group we started
+
+
+def main() -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer requests and points (minutes)")
+    p.add_argument("--profile", default="h100-llama3-8b")
+    p.add_argument("--time-scale", type=float, default=2.0,
+                   help="wall seconds per model second of the emulators (2: half speed, so the "
+                   "load generator and routers keep up on a small shared machine)")
+    p.add_argument("--clusters", default="2P1D,4P1D")
+    p.add_argument("--concurrency", default=None, help="4P1D sweep, comma list (paper workload)")
+    p.add_argument("--small-concurrency", default=None, help="the other clusters' sweep")
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--requests-per-client", type=int, default=2,
+                   help="paper workload: requests = --num-requests + this × concurrency")
+    p.add_argument("--output-scale", type=float, default=0.05,
+                   help="output lengths × this (keeps the stream volume within 2 CPU cores)")
+    p.add_argument("--mooncake-requests", type=int, default=None)
+    p.add_argument("--mooncake-input-scale", type=float, default=0.25)
+    p.add_argument("--trace-speedup", type=float, default=8.0,
+                   help="replay the Mooncake trace this many times faster than recorded")
+    p.add_argument("--slo-ttft", type=float, default=2.0)
+    p.add_argument("--slo-tpot", type=float, default=0.050)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", default=None, help="comma list of target names to run")
+    p.add_argument("--no-ablations", action="store_true")
+    p.add_argument("--ablation-concurrency", type=int, default=None,
+                   help="paper concurrency of the ablation runs (default: the sweep's third)")
+    p.add_argument("--output-dir", type=Path,
+                   default=HERE.parent / "results" / "proxy")
+    p.add_argument("--docs", type=Path, default=None,
+                   help="append/replace the 'OmniProxy OAS evaluation' section of this file")
+    args = p.parse_args()
+    quick = args.quick
+    args.concurrency = [int(c) for c in (args.concurrency or ("64,128" if quick else
+                                                              "64,96,128")).split(",")]
+    args.small_concurrency = [int(c) for c in (args.small_concurrency or "48").split(",")]
+    args.ablation_concurrency = args.ablation_concurrency or args.concurrency[
+        min(1, len(args.concurrency) - 1)]
+    args.num_requests = args.num_requests or (30 if quick else 40)
+    if quick:
+        args.requests_per_client = 1
+    args.mooncake_requests = args.mooncake_requests or (60 if quick else 160)
+    out_dir: Path = args.output_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = out_dir / "logs"
+    log_dir.mkdir(exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    for name in args.clusters.split(","):
+        n_p, n_d = int(name.split("P")[0]), int(name.split("P")[1].rstrip("D"))
+        print(f"cluster {name}: {n_p} prefill + {n_d} decode '{args.profile}' emulators, "
+              f"time scale {args.time_scale}", flush=True)
+        sweep = args.concurrency if name == "4P1D" else args.small_concurrency
+        workloads = build_workloads(args, sweep)
+        cluster = EmulatedCluster(n_p, n_d, args.profile, args.time_scale, log_dir / name)
+        try:  # targets interleaved per workload, so a change in the box's load hits them all
+            for wl in workloads:
+                for target in targets(ablations=name == "4P1D" and not args.no_ablations):
+                    if args.only and target.name not in args.only.split(","):
+                        continue
+                    if target.policy in ABLATIONS and wl["concurrency"] not in (
+                            0, args.ablation_concurrency):
+                        continue
+                    try:
+                        done = run_target(target, cluster, [wl], args, log_dir)
+                    except RuntimeError as exc:  # one broken run must not end the others
+                        print(f"  {target.name}: FAILED: {str(exc)[:300]}", flush=True)
+                        done = [{"target": target.name, "workload": wl["name"],
+                                 "concurrency": wl["concurrency"], "failed": str(exc)[:2000]}]
+                    for row in done:
+                        row["cluster"] = name
+                        rows.append(row)
+                (out_dir / "results.partial.json").write_text(json.dumps(rows))
+        finally:
+            cluster.stop()
+    meta = {key: (str(v) if isinstance(v, Path) else v) for key, v in vars(args).items()}
+    meta["wall_s"] = time.monotonic() - t0
+    reqs = build_workloads(args, args.concurrency)
+    meta["paper_mean_input"] = float(np.mean([r.prompt_tokens for r in reqs[-2]["requests"]]))
+    meta["paper_mean_output"] = float(np.mean([r.output_tokens for r in reqs[-2]["requests"]]))
+    meta["mooncake_mean_input"] = float(np.mean([r.prompt_tokens for r in reqs[-1]["requests"]]))
+    (out_dir / "results.json").write_text(json.dumps({"meta": meta, "runs": rows}, indent=1))
+    text = write_report(rows, meta, out_dir, args.docs)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

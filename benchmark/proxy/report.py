@@ -1,0 +1,260 @@
+"""Tables, criteria and plots of ``oas_eval.py`` results (also runnable on a saved results.json).
+
+    python benchmark/proxy/report.py benchmark/results/proxy/results.json [--docs docs/benchmarks.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+SECTION = "## OmniProxy OAS evaluation"
+MISS_SHARE = 0.9  # a policy "misses the SLO" when fewer than 90 % of requests meet it
+
+
+def _ok(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if "summary" in r]
+
+
+def _get(rows: list[dict[str, Any]], cluster: str, workload: str, target: str,
+         concurrency: int | None = None) -> dict[str, Any] | None:
+    for r in _ok(rows):
+        if (r["cluster"], r["workload"], r["target"]) == (cluster, workload, target) and (
+                concurrency is None or r["concurrency"] == concurrency):
+            return r
+    return None
+
+
+def _fmt(x: float | None, digits: int = 0) -> str:
+    return "n/a" if x is None else f"{x:,.{digits}f}"
+
+
+def critical_concurrency(rows: list[dict[str, Any]], cluster: str) -> int | None:
+    """The lowest swept concurrency where round_robin (sglang-router) first misses the SLO."""
+    points = sorted((r["concurrency"], r["slo_share"]) for r in _ok(rows)
+                    if r["cluster"] == cluster and r["workload"] == "paper"
+                    and r["target"] == "sglang:round_robin")
+    for c, share in points:
+        if share < MISS_SHARE:
+            return c
+    return points[-1][0] if points else None
+
+
+def criteria(rows: list[dict[str, Any]], cluster: str = "4P1D") -> dict[str, Any]:
+    out: dict[str, Any] = {"cluster": cluster}
+    c = critical_concurrency(rows, cluster)
+    out["critical_concurrency"] = c
+    for workload, conc in (("paper", c), ("mooncake", 0)):
+        oas = _get(rows, cluster, workload, "omni:oas", conc)
+        rr = _get(rows, cluster, workload, "sglang:round_robin", conc)
+        peers = [r for r in (_get(rows, cluster, workload, f"sglang:{p}", conc)
+                             for p in ("round_robin", "cache_aware", "power_of_two")) if r]
+        if not oas or not rr or not peers:
+            continue
+        best = max(peers, key=lambda r: r["summary"]["goodput_requests_per_minute"])
+        g = lambda r: r["summary"]["goodput_requests_per_minute"]  # noqa: E731
+        out[workload] = {
+            "oas_goodput": g(oas), "rr_goodput": g(rr), "best_sglang": best["target"],
+            "best_goodput": g(best),
+            "vs_rr": g(oas) / g(rr) if g(rr) else None,
+            "vs_best": g(oas) / g(best) if g(best) else None,
+            "oas_p99_ttft_ms": oas["summary"]["p99_ttft_ms"],
+            "best_p99_ttft_ms": best["summary"]["p99_ttft_ms"],
+            "p99_change": (oas["summary"]["p99_ttft_ms"] / best["summary"]["p99_ttft_ms"] - 1
+                           if best["summary"]["p99_ttft_ms"] else None),
+            "qpm_ratio": (oas["summary"]["requests_per_minute"]
+                          / best["summary"]["requests_per_minute"]),
+            "ranking": [r["target"] for r in sorted(
+                [x for x in _ok(rows) if x["cluster"] == cluster and x["workload"] == workload
+                 and x["concurrency"] == conc and x["target"].split(":")[1] in (
+                     "oas", "omni_default", "omni_earliest_batch", "round_robin",
+                     "cache_aware", "power_of_two")],
+                key=lambda r: -g(r))],
+        }
+    return out
+
+
+def plots(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    clusters = sorted({r["cluster"] for r in _ok(rows)})
+    main = [t for t in dict.fromkeys(r["target"] for r in _ok(rows))
+            if not t.split(":")[1].startswith("oas_")]
+    fig, axes = plt.subplots(1, len(clusters), figsize=(6 * len(clusters), 4), squeeze=False)
+    for ax, cluster in zip(axes[0], clusters, strict=True):
+        for t in main:
+            pts = sorted((r["concurrency"], r["summary"]["goodput_requests_per_minute"])
+                         for r in _ok(rows) if r["cluster"] == cluster and r["target"] == t
+                         and r["workload"] == "paper")
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=t,
+                        linestyle="-" if t.startswith("omni") else "--")
+        ax.set_title(f"{cluster}: paper workload, goodput (TTFT<2 s, TPOT<50 ms)")
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("goodput (requests/min, model time)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    goodput = out_dir / "goodput.png"
+    fig.savefig(goodput, dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    big = clusters[-1]
+    c = critical_concurrency(rows, big)
+    for ax, (workload, conc) in zip(axes, (("paper", c), ("mooncake", 0)), strict=True):
+        for t in main:
+            r = _get(rows, big, workload, t, conc)
+            if r and r["ttfts"]:
+                x = np.sort(np.asarray(r["ttfts"]))
+                ax.plot(x, np.arange(1, len(x) + 1) / len(x), label=t,
+                        linestyle="-" if t.startswith("omni") else "--")
+        ax.axvline(2.0, color="grey", linewidth=0.8)
+        title = f"c={conc}" if workload == "paper" else "open loop"
+        ax.set_title(f"{big} {workload} ({title}): TTFT CDF")
+        ax.set_xlabel("TTFT (s, model time)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    cdf = out_dir / "ttft_cdf.png"
+    fig.savefig(cdf, dpi=110)
+    plt.close(fig)
+    return [goodput, cdf]
+
+
+def tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines: list[str] = []
+    for cluster in sorted({r["cluster"] for r in rows}):
+        concs = sorted({r["concurrency"] for r in _ok(rows)
+                        if r["cluster"] == cluster and r["workload"] == "paper"})
+        targets = list(dict.fromkeys(r["target"] for r in _ok(rows) if r["cluster"] == cluster
+                                     and r["workload"] == "paper"
+                                     and not r["target"].split(":")[1].startswith("oas_")))
+        lines.append(f"**{cluster}, paper workload, closed loop** — goodput QPM / P99 TTFT s "
+                     f"(share of requests within SLO):\n")
+        lines.append("| router:policy | " + " | ".join(f"c={c}" for c in concs) + " |")
+        lines.append("|---" * (len(concs) + 1) + "|")
+        for t in targets:
+            cells = []
+            for c in concs:
+                r = _get(rows, cluster, "paper", t, c)
+                cells.append("–" if r is None else
+                             f"{_fmt(r['summary']['goodput_requests_per_minute'])} / "
+                             f"{_fmt((r['summary']['p99_ttft_ms'] or 0) / 1000, 2)} "
+                             f"({r['slo_share']:.0%})")
+            lines.append(f"| {t} | " + " | ".join(cells) + " |")
+        lines.append("")
+        lines.append(f"**{cluster}, Mooncake trace, open loop:**\n")
+        lines.append("| router:policy | QPM | goodput QPM | TTFT p50 / p99 (s) | TPOT p50 (ms) "
+                     "| errors | predicted cache = reported (hits) |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for r in _ok(rows):
+            if r["cluster"] != cluster or r["workload"] != "mooncake":
+                continue
+            s = r["summary"]
+            pred = r.get("prediction")
+            ptxt = ("–" if not pred else f"{pred['within_one_block']:.0%} "
+                    f"({pred['hit_within_one_block']:.0%} of {pred['hit_requests']})")
+            lines.append(f"| {r['target']} | {_fmt(s['requests_per_minute'])} | "
+                         f"{_fmt(s['goodput_requests_per_minute'])} | "
+                         f"{_fmt((s['median_ttft_ms'] or 0) / 1000, 2)} / "
+                         f"{_fmt((s['p99_ttft_ms'] or 0) / 1000, 2)} | "
+                         f"{_fmt(s['median_tpot_ms'], 1)} | {s['errors']} | {ptxt} |")
+        lines.append("")
+    failed = [r for r in rows if "failed" in r]
+    if failed:
+        lines.append("Failed runs: " + "; ".join(f"{r['cluster']} {r['target']} {r['workload']}"
+                                                  for r in failed) + "\n")
+    abl = [r for r in _ok(rows) if r["cluster"] == "4P1D" and (
+        r["target"].split(":")[1].startswith("oas"))]
+    if any(r["target"] != "omni:oas" for r in abl):
+        c = meta.get("ablation_concurrency")
+        lines.append(f"**Ablation, 4P1D** (paper at c={c}; Mooncake open loop):\n")
+        lines.append("| variant | paper goodput QPM | paper P99 TTFT (s) | Mooncake goodput QPM "
+                     "| Mooncake P99 TTFT (s) |")
+        lines.append("|---|---|---|---|---|")
+        for t in dict.fromkeys(r["target"] for r in abl):
+            p = _get(rows, "4P1D", "paper", t, c)
+            m = _get(rows, "4P1D", "mooncake", t, 0)
+            lines.append(
+                f"| {t} | {_fmt(p and p['summary']['goodput_requests_per_minute'])} | "
+                f"{_fmt(p and (p['summary']['p99_ttft_ms'] or 0) / 1000, 2)} | "
+                f"{_fmt(m and m['summary']['goodput_requests_per_minute'])} | "
+                f"{_fmt(m and (m['summary']['p99_ttft_ms'] or 0) / 1000, 2)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def criteria_text(crit: dict[str, Any]) -> str:
+    lines = [f"Critical concurrency on {crit['cluster']} (round_robin first below "
+             f"{MISS_SHARE:.0%} within SLO): c={crit['critical_concurrency']}.\n",
+             "| criterion | target | measured | met |", "|---|---|---|---|"]
+    p = crit.get("paper")
+    if p:
+        lines.append(f"| paper: OAS goodput / sglang round_robin | ≥ 1.5× | "
+                     f"{_fmt(p['vs_rr'], 2)}× ({_fmt(p['oas_goodput'])} vs "
+                     f"{_fmt(p['rr_goodput'])} QPM) | {'yes' if (p['vs_rr'] or 0) >= 1.5 else 'no'} |")
+        lines.append(f"| paper: OAS goodput / best sglang-router ({p['best_sglang']}) | ≥ 1.2× | "
+                     f"{_fmt(p['vs_best'], 2)}× | {'yes' if (p['vs_best'] or 0) >= 1.2 else 'no'} |")
+        lines.append(f"| paper: OAS P99 TTFT vs best sglang-router (QPM ratio "
+                     f"{p['qpm_ratio']:.2f}) | ≤ −38 % | {(p['p99_change'] or 0):+.0%} "
+                     f"({_fmt(p['oas_p99_ttft_ms'] / 1000, 2)} vs "
+                     f"{_fmt(p['best_p99_ttft_ms'] / 1000, 2)} s) | "
+                     f"{'yes' if (p['p99_change'] or 0) <= -0.38 else 'no'} |")
+    m = crit.get("mooncake")
+    if m:
+        same = (m["vs_rr"] or 0) >= 1.0 and (m["vs_best"] or 0) >= 1.0
+        lines.append(f"| Mooncake: same ranking (OAS ≥ every sglang-router policy) | OAS first "
+                     f"| order {' > '.join(t for t in m['ranking'])}; OAS/best "
+                     f"{_fmt(m['vs_best'], 2)}×, P99 {(m['p99_change'] or 0):+.0%} | "
+                     f"{'yes' if same else 'no'} |")
+    return "\n".join(lines)
+
+
+def write_report(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path,
+                 docs: Path | None) -> str:
+    out_dir = Path(out_dir)
+    crit = criteria(rows)
+    (out_dir / "criteria.json").write_text(json.dumps(crit, indent=1))
+    if _ok(rows):
+        plots(rows, out_dir)
+    text = criteria_text(crit) + "\n\n" + tables(rows, meta)
+    (out_dir / "tables.md").write_text(text + "\n")
+    if docs is not None:
+        replace_section(Path(docs), text)
+    return text
+
+
+def replace_section(docs: Path, body: str) -> None:
+    """Replace the OAS section's generated block (between markers) or append the section."""
+    start, end = "<!-- oas-eval:start -->", "<!-- oas-eval:end -->"
+    text = docs.read_text()
+    block = f"{start}\n{body}\n{end}"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + block + rest.split(end, 1)[1]
+    elif SECTION in text:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    else:
+        text = text.rstrip() + f"\n\n{SECTION}\n\n{block}\n"
+    docs.write_text(text)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description="Rebuild the OAS tables and plots")
+    p.add_argument("results", type=Path)
+    p.add_argument("--docs", type=Path, default=None)
+    args = p.parse_args()
+    data = json.loads(args.results.read_text())
+    print(write_report(data["runs"], data["meta"], args.results.parent, args.docs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

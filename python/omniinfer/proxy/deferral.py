@@ -1,0 +1,218 @@
+"""Deferred submission, pure: requests wait in the proxy and are released just in time.
+
+Requests wait in one queue ordered by a score (an ``Order``, from a registry: prompt length
+against waiting time, or arrival order). ``pump`` walks the queue best first; each request's
+best instance is the one its ``Estimate`` prefers (lowest predicted TTFT). The request is released
+when that instance is *open* — its predicted backlog is within ``lead`` of its next batch
+boundary, or it has nothing at all — so the next batch is formed from the best requests known at
+that moment, and late arrivals can overtake. A request whose best instance is busy stays, and the
+walk goes on (a short request can pass a long one). No starvation: a request that has waited one
+predicted batch cycle plus ``bound_cycles`` cycles is released at once to its best instance.
+
+Nothing here does I/O or reads a clock; the caller passes ``now`` and acts on what ``pump``
+returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+
+@dataclasses.dataclass(slots=True)
+class Waiting:
+    """A request held in the proxy."""
+
+    key: str
+    tokens: int  # prompt tokens
+    work: float  # predicted compute seconds on its best instance (what "length" means here)
+    arrival: float
+    payload: Any = None
+
+
+class Instance(Protocol):
+    key: str
+
+    def queue_seconds(self, now: float) -> float: ...
+
+    def cycle_seconds(self, default: float) -> float: ...
+
+    def is_idle(self) -> bool: ...
+
+
+# cost of ``item`` on ``instance`` (lower is better; None: not allowed there)
+Estimate = Callable[[Waiting, Instance, float], Any]
+Order = Callable[[Sequence[Waiting], float], list[Waiting]]  # (items, now) -> best first
+Gate = Callable[[Instance, float], bool]  # may this instance take work now?
+
+_ORDERS: dict[str, Order] = {}
+
+
+def register_order(name: str) -> Callable[[Order], Order]:
+    def wrap(fn: Order) -> Order:
+        _ORDERS[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_order(name: str) -> Order:
+    try:
+        return _ORDERS[name]
+    except KeyError:
+        raise ValueError(f"unknown queue order {name!r}; known: {', '.join(sorted(_ORDERS))}") from None
+
+
+@register_order("fifo")
+def fifo(items: Sequence[Waiting], now: float) -> list[Waiting]:
+    """Arrival order (no resorting)."""
+    return sorted(items, key=lambda w: w.arrival)
+
+
+@register_order("short_old_first")
+def short_old_first(items: Sequence[Waiting], now: float) -> list[Waiting]:
+    """Score = waiting time − 2 × predicted compute, highest first: short jobs first, aged.
+
+    Both terms are seconds, so the trade-off does not depend on the clock's speed: a request
+    that needs one second more compute than another goes after it unless it has waited two
+    seconds longer. Compute is of the *uncached* tokens, so a long prompt mostly in cache
+    counts as short.
+    """
+    return sorted(items, key=lambda w: (now - w.arrival) - 2.0 * w.work, reverse=True)
+
+
+@register_order("upstream_weights")
+def upstream_weights(items: Sequence[Waiting], now: float) -> list[Waiting]:
+    """OmniInfer's shipped order: 0.8·(Tmax−T)/Tmax + 0.2·W/Wmax (Wmax ≥ 50 ms), highest first."""
+    t_max = max((w.tokens for w in items), default=1) or 1
+    w_max = max([0.050, *(now - w.arrival for w in items)])
+    return sorted(items, key=lambda w: 0.8 * (t_max - w.tokens) / t_max
+                  + 0.2 * (now - w.arrival) / w_max, reverse=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeferralOptions:
+    lead_fraction: float = 1.0  # release when the backlog is within this share of a cycle
+    bound_cycles: float = 8.0  # held at most one cycle + this many cycles
+    default_cycle: float = 0.2  # seconds, until a cycle has been measured
+    min_cycle: float = 1e-3
+
+
+@dataclasses.dataclass(slots=True)
+class Release:
+    item: Waiting
+    instance: Instance
+    reason: str  # "open", "idle" or "overdue"
+    estimate: Any
+
+
+class DeferredQueue:
+    """The proxy-side queue and its release rule (see the module docstring).
+
+    ``gate`` says whether an instance may take work now (default: the just-in-time rule,
+    ``is_open``); with ``choose_among_open`` the best instance is sought among open ones only
+    (the shipped upstream rule: skip overloaded instances), otherwise among all, and the
+    request waits while its best instance is closed.
+    """
+
+    def __init__(self, order: Order, estimate: Estimate,
+                 options: DeferralOptions = DeferralOptions(),
+                 rng: random.Random | None = None, gate: Gate | None = None,
+                 choose_among_open: bool = False) -> None:
+        self.order = order
+        self.estimate = estimate
+        self.options = options
+        self.rng = rng or random.Random()
+        self.gate: Gate = gate or self.is_open
+        self.choose_among_open = choose_among_open
+        self.items: dict[str, Waiting] = {}
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def push(self, item: Waiting) -> None:
+        self.items[item.key] = item
+
+    def remove(self, key: str) -> Waiting | None:
+        return self.items.pop(key, None)
+
+    # ---- timing -----------------------------------------------------------------------------
+    def cycle(self, instances: Sequence[Instance]) -> float:
+        o = self.options
+        cycles = [i.cycle_seconds(o.default_cycle) for i in instances] or [o.default_cycle]
+        return max(o.min_cycle, sum(cycles) / len(cycles))
+
+    def max_hold(self, instances: Sequence[Instance]) -> float:
+        """The longest any request stays: one predicted batch cycle plus the bound."""
+        return self.cycle(instances) * (1.0 + self.options.bound_cycles)
+
+    def lead(self, instance: Instance) -> float:
+        o = self.options
+        return o.lead_fraction * max(o.min_cycle, instance.cycle_seconds(o.default_cycle))
+
+    def is_open(self, instance: Instance, now: float) -> bool:
+        return instance.is_idle() or instance.queue_seconds(now) <= self.lead(instance)
+
+    # ---- the release rule -------------------------------------------------------------------
+    def best(self, item: Waiting, instances: Sequence[Instance], now: float
+             ) -> tuple[Instance, Any] | None:
+        """Lowest estimate (e.g. predicted TTFT); exact ties broken at random."""
+        scored = [(self.estimate(item, inst, now), inst) for inst in instances]
+        scored = [(s, inst) for s, inst in scored if s is not None]
+        if not scored:
+            return None
+        low = min(s for s, _ in scored)
+        ties = [inst for s, inst in scored if s == low]
+        return self.rng.choice(ties), low
+
+    def pump(self, now: float, instances: Sequence[Instance],
+             on_release: Callable[[Release], None] | None = None) -> list[Release]:
+        """Release every request that should go now, best score first.
+
+        ``on_release`` runs right after each decision (the caller books the request on the
+        instance there, so the next decision sees the new backlog).
+        """
+        if not self.items or not instances:
+            return []
+        hold = self.max_hold(instances)
+        overdue = [w for w in self.items.values() if now - w.arrival >= hold - 1e-9]
+        overdue.sort(key=lambda w: w.arrival)
+        overdue_keys = {w.key for w in overdue}
+        rest = self.order([w for w in self.items.values() if w.key not in overdue_keys], now)
+        out: list[Release] = []
+        for item in overdue:
+            found = self.best(item, instances, now)
+            if found is not None:
+                out.append(self._release(item, found[0], "overdue", found[1], on_release))
+        for item in rest:
+            open_now = [i for i in instances if self.gate(i, now)]
+            if not open_now:
+                break
+            found = self.best(item, open_now if self.choose_among_open else instances, now)
+            if found is not None and (self.choose_among_open or self.gate(found[0], now)):
+                reason = "idle" if found[0].is_idle() else "open"
+                out.append(self._release(item, found[0], reason, found[1], on_release))
+        return out
+
+    def _release(self, item: Waiting, inst: Instance, reason: str, estimate: Any,
+                  on_release: Callable[[Release], None] | None) -> Release:
+        del self.items[item.key]
+        release = Release(item, inst, reason, estimate)
+        if on_release is not None:
+            on_release(release)
+        return release
+
+    def next_wakeup(self, now: float, instances: Sequence[Instance]) -> float | None:
+        """When ``pump`` may next release something without any new event (None: never)."""
+        if not self.items or not instances:
+            return None
+        hold = self.max_hold(instances)
+        times = [min(w.arrival for w in self.items.values()) + hold]
+        for inst in instances:
+            wait = inst.queue_seconds(now) - self.lead(inst)
+            times.append(now + max(0.0, wait))
+        first = min(times)
+        return None if first == math.inf else max(now, first)

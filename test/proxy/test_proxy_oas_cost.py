@@ -1,0 +1,81 @@
+"""The OAS cost model: online batch-time learning, batch detection, queue and TTFT predictions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from omniinfer.proxy.oas_cost import BatchTimeModel, InstanceClock, TransferModel, predicted_ttft
+
+
+def truth(tokens: list[int]) -> float:
+    """An H100-like prefill pass: 5 ms + 0.2 ms/request + 27 µs/token + attention."""
+    return 0.005 + 0.0002 * len(tokens) + 27e-6 * sum(tokens) + 5e-10 * sum(t * t for t in tokens)
+
+
+def test_model_learns_batch_time_from_measurements() -> None:
+    rng = random.Random(0)
+    model = BatchTimeModel()
+    for _ in range(300):
+        batch = [rng.randint(100, 6000) for _ in range(rng.randint(1, 6))]
+        model.update(batch, truth(batch) * rng.uniform(0.97, 1.03))  # 3 % timing noise
+    for batch in ([3500], [500, 500, 500], [8000], [2000, 6000]):
+        assert model.predict(batch) == pytest.approx(truth(batch), rel=0.08)
+    assert model.per_token() == pytest.approx(27e-6, rel=0.25)
+
+
+def test_model_seed_only_before_measurements_and_never_negative() -> None:
+    model = BatchTimeModel()
+    model.seed_per_token(50e-6)
+    assert model.per_token() == pytest.approx(50e-6)
+    assert model.predict([]) == 0.0
+    model.update([1000], 0.02)
+    model.seed_per_token(1.0)  # ignored: a measurement exists
+    assert model.per_token() < 1e-3
+    model.update([1], -5.0)  # a nonsense duration is ignored
+    assert model.samples == 1
+    assert model.predict([1]) >= 0.0
+
+
+def test_clock_groups_close_completions_into_one_batch() -> None:
+    clock = InstanceClock("w", gap=0.020)
+    for key, tokens in (("a", 1000), ("b", 2000), ("c", 3000)):
+        clock.on_sent(key, tokens, 0.0)
+    assert clock.on_done("a", 1.000) is None
+    assert clock.on_done("b", 1.010) is None  # same batch (within 20 ms)
+    clock.on_sent("d", 500, 1.005)
+    closed = clock.on_done("c", 2.000)  # a new batch: closes the first
+    assert closed is not None and sorted(closed.tokens) == [1000, 2000]
+    assert closed.start == 0.0 and closed.end == pytest.approx(1.010)
+    assert clock.model.samples == 1 and clock.cycle == pytest.approx(1.010)
+    closed = clock.on_done("d", 2.500)
+    assert closed is not None and closed.tokens == [3000]
+    assert closed.start == pytest.approx(1.010)  # busy since the previous batch ended
+    assert clock.by_size[1] and clock.ring_seconds(1) == pytest.approx(0.990)
+
+
+def test_queue_drains_with_time_and_failures_release_work() -> None:
+    clock = InstanceClock("w")
+    assert clock.queue_seconds(0.0) == 0.0 and clock.is_idle()
+    clock.on_sent("a", 4000, 0.0)
+    clock.on_sent("b", 4000, 0.0)
+    full = clock.queue_seconds(0.0)
+    assert full == pytest.approx(clock.model.predict([4000, 4000]))
+    assert clock.queue_seconds(full / 2) == pytest.approx(full / 2)
+    assert clock.queue_seconds(full * 3) == 0.0
+    clock.on_failed("a")
+    clock.on_failed("b")
+    assert clock.is_idle() and clock.backlog_tokens() == 0
+
+
+def test_predicted_ttft_counts_only_uncached_tokens_and_transfer() -> None:
+    busy, idle = InstanceClock("busy"), InstanceClock("idle")
+    busy.on_sent("x", 8000, 0.0)
+    transfer = TransferModel(latency_s=0.001, seconds_per_token=1e-6)
+    cold = predicted_ttft(idle, 4000, 4000, 0.0, transfer)
+    warm = predicted_ttft(idle, 200, 4000, 0.0, transfer)
+    assert warm < cold
+    assert predicted_ttft(idle, 200, 4000, 0.0, transfer, use_cache=False) == pytest.approx(cold)
+    assert predicted_ttft(busy, 200, 4000, 0.0, transfer) > warm  # the queue counts
+    assert cold - idle.model.predict([4000]) == pytest.approx(0.001 + 4000e-6)

@@ -1,0 +1,148 @@
+"""Deferred submission: order, the just-in-time release, hold bounds and starvation freedom."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from omniinfer.proxy.deferral import (
+    DeferralOptions,
+    DeferredQueue,
+    Waiting,
+    get_order,
+    upstream_weights,
+)
+
+
+@dataclasses.dataclass
+class FakeInstance:
+    key: str
+    backlog: float = 0.0  # predicted seconds of work already sent
+    cycle: float = 0.1
+    idle: bool = False
+
+    def queue_seconds(self, now: float) -> float:
+        return self.backlog
+
+    def cycle_seconds(self, default: float) -> float:
+        return self.cycle
+
+    def is_idle(self) -> bool:
+        return self.idle
+
+
+def ttft(item: Waiting, inst: FakeInstance, now: float) -> float:  # type: ignore[override]
+    return inst.backlog + item.work
+
+
+def item(key: str, work: float, arrival: float, tokens: int = 1000) -> Waiting:
+    return Waiting(key, tokens, work, arrival)
+
+
+def test_short_old_first_lets_short_overtake_until_the_long_one_has_aged() -> None:
+    order = get_order("short_old_first")
+    long, short = item("long", 0.5, 0.0), item("short", 0.05, 0.5)
+    assert [w.key for w in order([long, short], 0.6)] == ["short", "long"]
+    # twice the compute difference (0.9 s) of extra waiting puts the long one first
+    assert [w.key for w in order([long, short], 0.6 + 1.0)] == ["short", "long"]
+    late = item("short2", 0.05, 1.5)
+    assert [w.key for w in order([long, late], 1.6)] == ["long", "short2"]
+    assert [w.key for w in get_order("fifo")([short, long], 9.0)] == ["long", "short"]
+
+
+def test_upstream_order_is_the_shipped_formula() -> None:
+    a, b = item("a", 0, 0.0, tokens=8000), item("b", 0, 0.9, tokens=1000)
+    # a: 0.8*0 + 0.2*1.0 = 0.2 ; b: 0.8*(7/8) + 0.2*(0.1/1.0) = 0.72
+    assert [w.key for w in upstream_weights([a, b], 1.0)] == ["b", "a"]
+    with pytest.raises(ValueError, match="unknown queue order"):
+        get_order("nope")
+
+
+def test_release_waits_for_the_batch_boundary_then_fills_the_best_instance() -> None:
+    inst = FakeInstance("w", backlog=0.5, cycle=0.1)
+    q = DeferredQueue(get_order("short_old_first"), ttft, DeferralOptions(lead_fraction=1.0))
+    q.push(item("a", 0.05, 0.0))
+    assert q.pump(0.0, [inst]) == []  # 0.5 s of work queued: the next boundary is far
+    wake = q.next_wakeup(0.0, [inst])
+    assert wake == pytest.approx(0.0 + 0.5 - 0.1)  # just before the boundary
+    inst.backlog = 0.08  # within one cycle of the boundary
+    out = q.pump(0.4, [inst])
+    assert [(r.item.key, r.reason) for r in out] == [("a", "open")] and len(q) == 0
+
+
+def test_short_request_overtakes_and_busy_best_instance_holds_only_its_requests() -> None:
+    fast, slow = FakeInstance("fast"), FakeInstance("slow", backlog=1.0)
+
+    def cached_on_slow(w: Waiting, inst: FakeInstance, now: float) -> float:
+        cost = ttft(w, inst, now)
+        return cost - 2.0 if (w.key == "cached" and inst.key == "slow") else cost
+
+    q = DeferredQueue(get_order("short_old_first"), cached_on_slow)
+    q.push(item("cached", 0.3, 0.0))
+    q.push(item("short", 0.01, 0.05))
+    out = q.pump(0.06, [fast, slow])
+    assert [r.item.key for r in out] == ["short"]  # the cached one waits for its instance
+    assert "cached" in q.items
+
+
+def test_random_tie_break_uses_every_equal_instance() -> None:
+    a, b = FakeInstance("a", idle=True), FakeInstance("b", idle=True)
+    q = DeferredQueue(get_order("fifo"), ttft, rng=random.Random(1))
+    chosen = set()
+    for i in range(40):
+        q.push(item(f"r{i}", 0.01, 0.0))
+        chosen |= {r.instance.key for r in q.pump(0.0, [a, b])}
+    assert chosen == {"a", "b"}
+
+
+def test_none_estimate_excludes_an_instance() -> None:
+    a, b = FakeInstance("a", idle=True), FakeInstance("b", idle=True)
+    q = DeferredQueue(get_order("fifo"),
+                      lambda w, i, now: None if i.key == "a" else ttft(w, i, now))
+    q.push(item("x", 0.1, 0.0))
+    assert [r.instance.key for r in q.pump(0.0, [a, b])] == ["b"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_no_request_is_held_longer_than_one_cycle_plus_the_bound(seed: int) -> None:
+    """Instances never open (always busy), shorts keep arriving: everyone still leaves in time."""
+    rng = random.Random(seed)
+    opts = DeferralOptions(lead_fraction=1.0, bound_cycles=3.0)
+    insts = [FakeInstance("a", backlog=10.0, cycle=0.2), FakeInstance("b", backlog=10.0, cycle=0.3)]
+    q = DeferredQueue(get_order("short_old_first"), ttft, opts, rng)
+    bound = q.max_hold(insts)
+    assert bound == pytest.approx(0.25 * (1 + 3.0))
+    now, arrivals, held = 0.0, {}, []
+    q.push(item("long", 5.0, 0.0))
+    arrivals["long"] = 0.0
+    for i in range(400):
+        arrival = now + rng.expovariate(20.0)
+        wake = q.next_wakeup(now, insts)
+        while wake is not None and wake <= arrival:  # the timer fires before the next arrival
+            held += [(r.item.key, wake - arrivals[r.item.key]) for r in q.pump(wake, insts)]
+            now = wake
+            wake = q.next_wakeup(now, insts)
+        now = arrival
+        key = f"s{i}"
+        q.push(item(key, 0.001, now))
+        arrivals[key] = now
+        held += [(r.item.key, now - arrivals[r.item.key]) for r in q.pump(now, insts)]
+    while len(q):
+        now = q.next_wakeup(now, insts)
+        held += [(r.item.key, now - arrivals[r.item.key]) for r in q.pump(now, insts)]
+    assert len(held) == 401 and any(k == "long" for k, _ in held)
+    assert max(h for _, h in held) <= bound + 1e-9
+
+
+def test_gate_among_open_only_skips_overloaded_instances() -> None:
+    full, free = FakeInstance("full", backlog=9.0), FakeInstance("free", backlog=5.0)
+    q = DeferredQueue(get_order("upstream_weights"), lambda w, i, now: (-1 if i is full else 0),
+                      DeferralOptions(bound_cycles=float("inf")),
+                      gate=lambda i, now: i.backlog < 8.0, choose_among_open=True)
+    q.push(item("x", 0.1, 0.0))
+    assert [r.instance.key for r in q.pump(0.0, [full, free])] == ["free"]
+    free.backlog = 9.0
+    q.push(item("y", 0.1, 0.0))
+    assert q.pump(100.0, [full, free]) == []  # upstream: held while every instance is overloaded
