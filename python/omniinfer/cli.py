@@ -17,6 +17,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "omniinfer.placement.cli",
     "omniinfer.emulator.cli",
     "omniinfer.proxy.cli",
+    "omniinfer.attn.cli",
 )
 
 

@@ -1,0 +1,103 @@
+"""Reference decoding with a KV cache that really drops evicted tokens in compressed layers.
+
+This is what a serving runtime does: feed one token at a time, and after each step cut every
+compressed layer's cache down to its first ``sink`` tokens and its last ``recent - 1`` ones (the
+next token makes ``recent``). Attention then runs unmasked over whatever the cache holds, with
+transformers' stock SDPA attention. The masked evaluator must give the same logits; the tests
+check that, and the runtime can compare its greedy outputs against :func:`greedy`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def evict(cache: Any, compressed: Sequence[bool], sink: int, recent: int) -> None:
+    """Drop, in place, the KV entries compressed layers no longer keep."""
+    keep_recent = recent - 1
+    for layer, is_compressed in zip(cache.layers, compressed, strict=True):
+        if not is_compressed or layer.keys is None or layer.keys.shape[-2] <= sink + keep_recent:
+            continue
+        tail = layer.keys.shape[-2] - keep_recent
+        layer.keys = torch.cat([layer.keys[..., :sink, :], layer.keys[..., tail:, :]], dim=-2)
+        layer.values = torch.cat(
+            [layer.values[..., :sink, :], layer.values[..., tail:, :]], dim=-2
+        )
+
+
+def cached_lengths(cache: Any) -> list[int]:
+    return [0 if layer.keys is None else int(layer.keys.shape[-2]) for layer in cache.layers]
+
+
+def _feed(model: Any, cache: Any, token: int, position: int) -> torch.Tensor:
+    out = model(
+        input_ids=torch.tensor([[token]]),
+        position_ids=torch.tensor([[position]]),  # caches differ in length per layer
+        past_key_values=cache,
+        use_cache=True,
+    )
+    return out.logits[0, -1].float()
+
+
+def step_logits(
+    model: Any, input_ids: Sequence[int], compressed: Sequence[bool], sink: int, recent: int
+) -> tuple[torch.Tensor, list[int]]:
+    """Logits [T, vocab] from token-by-token decoding with eviction, and the final cache
+    lengths per layer. The model must use a stock attention ("sdpa" or "eager")."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    rows = []
+    with torch.inference_mode():
+        for position, token in enumerate(input_ids):
+            rows.append(_feed(model, cache, token, position))
+            evict(cache, compressed, sink, recent)
+    return torch.stack(rows), cached_lengths(cache)
+
+
+def greedy(
+    model: Any,
+    prompt: Sequence[int],
+    new_tokens: int,
+    compressed: Sequence[bool],
+    sink: int,
+    recent: int,
+) -> list[int]:
+    """Greedy continuation of ``prompt`` with a really evicting cache (stock attention)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    ids = list(prompt)
+    with torch.inference_mode():
+        for position, token in enumerate(ids):
+            logits = _feed(model, cache, token, position)
+            evict(cache, compressed, sink, recent)
+        for _ in range(new_tokens):
+            ids.append(int(logits.argmax()))
+            logits = _feed(model, cache, ids[-1], len(ids) - 1)
+            evict(cache, compressed, sink, recent)
+    return ids[len(prompt) :]
+
+
+def masked_greedy(
+    model: Any,
+    prompt: Sequence[int],
+    new_tokens: int,
+    compressed: Sequence[bool],
+    sink: int,
+    recent: int,
+) -> list[int]:
+    """The same continuation from the masked evaluator: one whole-sequence pass per token
+    (the model must use :func:`omniinfer.attn.masks.use`). The runtime's reference."""
+    from omniinfer.attn.masks import windows_for
+
+    windows = windows_for(tuple(compressed), sink, recent)
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(new_tokens):
+            logits = model(input_ids=torch.tensor([ids]), omni_windows=windows).logits
+            ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt) :]

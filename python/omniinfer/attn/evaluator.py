@@ -1,0 +1,138 @@
+"""Score a layer pattern on a real Hugging Face causal LM in one forward pass per window.
+
+Compressed layers get the sink+recent mask of :mod:`omniinfer.attn.masks`, which is what a
+decoder that evicted the other tokens' KV sees (``test/attn`` proves it against real eviction),
+so one pass over a long window scores every position at once. The uncompressed model's
+per-token losses and next-token choices are computed once and cached; each pattern then costs
+one forward pass per window. Only positions t >= sink + recent are scored: before that no
+token has been evicted and every pattern equals the full model.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omniinfer.attn import masks
+from omniinfer.attn.pattern import kv_saved_fraction
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[3] / ".cache" / "models" / "SmolLM2-135M-Instruct"
+LOGIT_CHUNK = 512  # rows of the LM head computed at once (a 2K x vocab block is large)
+NOISE_BLOCK = 64  # tokens per block for the standard error (neighbouring tokens correlate)
+
+
+def load_model(model_dir: str | Path) -> tuple[Any, Any]:
+    """Model in float32 with the per-layer attention, and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    masks.use(model)
+    return model, tokenizer
+
+
+@dataclass(frozen=True)
+class WindowScores:
+    """Per scored position of one window: loss of the true next token, the argmax token."""
+
+    nll: torch.Tensor
+    choice: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Metrics:
+    ppl_full: float
+    ppl_pattern: float
+    drop: float  # relative perplexity increase: ppl_pattern / ppl_full - 1
+    drop_stderr: float  # standard error of ``drop`` from the spread of 64-token blocks
+    agreement: float  # share of scored positions where the argmax equals the full model's
+    tokens: int
+    seconds: float
+
+    def to_json(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+def score_windows(
+    model: Any,
+    windows: Sequence[Sequence[int]],
+    start: int,
+    omni_windows: masks.Windows | None,
+) -> list[WindowScores]:
+    """Loss and argmax at positions t >= ``start`` (predicting token t + 1) of each window."""
+    backbone, head = model.get_decoder(), model.get_output_embeddings()
+    results = []
+    with torch.inference_mode():
+        for ids in windows:
+            tokens = torch.tensor([list(ids)])
+            hidden = backbone(input_ids=tokens, omni_windows=omni_windows).last_hidden_state
+            hidden, targets = hidden[0, start:-1], tokens[0, start + 1 :]
+            nll, choice = [], []
+            for i in range(0, hidden.shape[0], LOGIT_CHUNK):
+                logits = head(hidden[i : i + LOGIT_CHUNK]).float()
+                logp = torch.log_softmax(logits, dim=-1)
+                nll.append(-logp.gather(1, targets[i : i + LOGIT_CHUNK, None])[:, 0])
+                choice.append(logits.argmax(dim=-1))
+            results.append(WindowScores(torch.cat(nll), torch.cat(choice)))
+    return results
+
+
+def compare(reference: list[WindowScores], scored: list[WindowScores]) -> dict[str, float]:
+    """Perplexities, relative increase with its standard error, and argmax agreement."""
+    full = torch.cat([r.nll for r in reference]).double()
+    pattern = torch.cat([s.nll for s in scored]).double()
+    diff = pattern - full
+    blocks = [d.mean() for d in torch.split(diff, NOISE_BLOCK) if d.numel() == NOISE_BLOCK]
+    spread = torch.stack(blocks).std().item() / math.sqrt(len(blocks)) if len(blocks) > 1 else 0.0
+    agree = torch.cat([r.choice == s.choice for r, s in zip(reference, scored, strict=True)])
+    ratio = math.exp(diff.mean().item())
+    return {
+        "ppl_full": math.exp(full.mean().item()),
+        "ppl_pattern": math.exp(pattern.mean().item()),
+        "drop": ratio - 1.0,
+        "drop_stderr": ratio * spread,
+        "agreement": agree.double().mean().item(),
+        "tokens": int(full.numel()),
+    }
+
+
+class Evaluator:
+    """Scores patterns (per-layer compressed flags) on fixed windows against the full model."""
+
+    def __init__(
+        self,
+        model: Any,
+        windows: Sequence[Sequence[int]],
+        sink: int,
+        recent: int,
+    ) -> None:
+        lengths = {len(w) for w in windows}
+        if not windows or len(lengths) != 1 or lengths.pop() <= sink + recent + 1:
+            raise ValueError("windows must be non-empty, equally long and longer than sink+recent")
+        self.model = model
+        self.windows = [list(w) for w in windows]
+        self.sink, self.recent = sink, recent
+        self.num_layers = int(model.config.num_hidden_layers)
+        self.context = len(self.windows[0])
+        self.reference = score_windows(model, self.windows, sink + recent, None)
+
+    def evaluate(self, compressed: Sequence[bool]) -> Metrics:
+        if len(compressed) != self.num_layers:
+            raise ValueError(f"pattern has {len(compressed)} layers, model {self.num_layers}")
+        began = time.perf_counter()
+        windows = masks.windows_for(tuple(compressed), self.sink, self.recent)
+        scored = score_windows(self.model, self.windows, self.sink + self.recent, windows)
+        figures = compare(self.reference, scored)
+        return Metrics(**figures, seconds=time.perf_counter() - began)
+
+    def kv_saved_fraction(self, compressed: Sequence[bool], context: int | None = None) -> float:
+        return kv_saved_fraction(
+            sum(map(bool, compressed)), self.num_layers, self.sink, self.recent,
+            context or self.context,
+        )

@@ -1,0 +1,74 @@
+"""Passkey retrieval: a five-digit key hidden at some depth of a long public-domain haystack.
+
+The model passes a case when greedy decoding after the question would produce the key. That
+is checked in one forward pass over prompt + key: greedy produces the key exactly when the
+argmax at every answer position equals the next key token (teacher forcing on the key is then
+identical to free-running greedy). In compressed layers the needle is evicted once it is more
+than ``recent`` tokens back, so only full layers can carry it to the question.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omniinfer.attn import masks
+
+INTRO = (
+    "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the pass key.\n"
+)
+NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+QUESTION = "\nWhat is the pass key? The pass key is"
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+@dataclass(frozen=True)
+class PasskeyCase:
+    ids: tuple[int, ...]
+    answer_start: int  # index of the first key token in ids
+    depth: float
+    key: str
+
+
+def build_cases(
+    tokenizer: Any, haystack: str, context: int, depths: Sequence[float] = DEPTHS, seed: int = 0
+) -> list[PasskeyCase]:
+    """One case per depth, each exactly ``context`` tokens long, from different haystack text."""
+    rng = random.Random(seed)
+    hay = tokenizer(haystack, add_special_tokens=False)["input_ids"]
+    cases = []
+    for index, depth in enumerate(depths):
+        key = str(rng.randint(10000, 99999))
+
+        def encode(part: str) -> list[int]:
+            return tokenizer(part, add_special_tokens=False)["input_ids"]
+
+        intro, needle = encode(INTRO), encode(NEEDLE.format(key=key))
+        question, answer = encode(QUESTION), encode(" " + key)
+        room = context - len(intro) - len(needle) - len(question) - len(answer)
+        start = index * room
+        if room <= 0 or start + room > len(hay):
+            raise ValueError(f"haystack too short for {len(depths)} cases of {context} tokens")
+        filler = hay[start : start + room]
+        cut = int(depth * room)
+        ids = intro + filler[:cut] + needle + filler[cut:] + question + answer
+        cases.append(PasskeyCase(tuple(ids), len(ids) - len(answer), depth, key))
+    return cases
+
+
+def retrieved(model: Any, cases: Sequence[PasskeyCase], windows: masks.Windows | None) -> list[bool]:
+    """Whether greedy decoding would return each case's key under the given layer windows."""
+    backbone, head = model.get_decoder(), model.get_output_embeddings()
+    results = []
+    with torch.inference_mode():
+        for case in cases:
+            ids = torch.tensor([case.ids])
+            hidden = backbone(input_ids=ids, omni_windows=windows).last_hidden_state[0]
+            predicted = head(hidden[case.answer_start - 1 : -1]).argmax(dim=-1)
+            results.append(bool((predicted == ids[0, case.answer_start :]).all()))
+    return results
