@@ -26,6 +26,19 @@ async def placement_status() -> Any:
     return JSONResponse(json.loads(path.read_text()))
 
 
+async def attn_status() -> Any:
+    """GET /omni/attn: KV memory of full vs compressed layers, usage, compressed slots freed."""
+    from fastapi.responses import JSONResponse
+
+    if current_config().omni_attn_pattern is None:
+        return JSONResponse({"enabled": False}, status_code=200)
+    directory = os.environ.get(STATE_DIR_ENV)
+    path = Path(directory) / "attn.json" if directory else None
+    if path is None or not path.is_file():
+        return JSONResponse({"enabled": True, "state": "starting"}, status_code=200)
+    return JSONResponse(json.loads(path.read_text()))
+
+
 def register_routes() -> None:
     global _registered
     if _registered:
@@ -33,4 +46,5 @@ def register_routes() -> None:
     from sglang.srt.entrypoints import http_server
 
     http_server.app.add_api_route("/omni/placement", placement_status, methods=["GET"])
+    http_server.app.add_api_route("/omni/attn", attn_status, methods=["GET"])
     _registered = True

@@ -31,6 +31,10 @@ def _before_from_cli_args(*args: Any, **kwargs: Any) -> None:
         config = OmniConfig.from_namespace(namespace)
         if config.enable_omni_placement:
             _prepare_placement(namespace, config)
+        if config.omni_attn_pattern is not None:
+            from omniinfer.sglang_plugin.omni_attn import prepare_namespace
+
+            prepare_namespace(namespace, config)
     except OmniFlagError as exc:
         # One line, no traceback: the launch stops here before any process is started.
         print(f"omniinfer: error: {exc}", file=sys.stderr)

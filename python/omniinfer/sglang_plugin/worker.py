@@ -37,3 +37,7 @@ def register() -> None:
         from omniinfer.sglang_plugin import placement_hooks
 
         placement_hooks.register(config)
+    if config.omni_attn_pattern is not None:
+        from omniinfer.sglang_plugin import omni_attn
+
+        omni_attn.register(config)

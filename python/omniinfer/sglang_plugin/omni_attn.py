@@ -1,0 +1,245 @@
+"""OmniAttn on the stock launcher: ``--omni-attn-pattern FILE``.
+
+Launcher side (:func:`prepare_namespace`): the pattern is checked against the model, then the
+compressed layers are declared to SGLang as hybrid sliding-window layers through
+``--json-model-override-args`` (``is_hybrid_swa``, ``hybrid_layer_pattern``, ``sliding_window``
+= recent - 1). SGLang then builds its two-pool KV cache: full layers in one sub-pool, compressed
+layers in the SWA sub-pool, with its own allocator and window eviction. The radix cache is
+disabled (see docs/omni_attn.md: a reused prefix would need sink slots that SWA tree eviction
+may already have dropped).
+
+Scheduler side (:func:`register`), all through HookRegistry:
+
+- the sink: before SGLang frees out-of-window slots of a request, its eviction floor
+  (``req.kv.swa_evict_floor``, which SGLang already honours when freeing and releasing) is
+  raised to ``sink``, so frees cover ``[sink, pre_len - window)`` and never the sink;
+- the budget: admission estimates and the request-cap pool size count ``window + sink`` slots;
+- the memory: with ``--max-total-tokens M`` the two sub-pools together get the bytes ``M``
+  tokens take without a pattern (SGLang alone would give the full pool ``M`` tokens and add the
+  SWA pool on top, which frees nothing);
+- attention: :mod:`omni_attn_backend` serves compressed layers on ``torch_native``;
+- status: :mod:`omni_attn_status` writes ``attn.json`` for ``GET /omni/attn``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from omniinfer.attn import runtime_window
+from omniinfer.attn.pattern import Pattern, PatternError, load
+from omniinfer.flags import OmniConfig, OmniFlagError
+
+logger = logging.getLogger("omniinfer")
+
+SUPPORTED_BACKENDS = ("torch_native",)
+TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
+EVICT_SLIDING_WINDOWS = "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.evict_sliding_windows"
+SWA_COMPONENT_FREE = (
+    "sglang.srt.mem_cache.unified_cache.components.swa.SWAComponent._free_out_of_window_slots"
+)
+ESTIMATE_SWA_TOKENS = "sglang.srt.mem_cache.prefill_budget.estimate_swa_kv_tokens"
+SWA_REQUEST_CAP = "sglang.srt.model_executor.pool_configurator.compute_swa_request_cap"
+POOL_CONFIGURATORS = (
+    "sglang.srt.model_executor.pool_configurator.HybridSWAPoolConfigurator",
+    "sglang.srt.model_executor.pool_configurator.SWARequestCapPoolConfigurator",
+)
+MAYBE_EVICT_SWA = "sglang.srt.managers.schedule_batch.ScheduleBatch.maybe_evict_swa"
+SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
+EVICTION_INTERVAL_ENV = "SGLANG_SWA_EVICTION_INTERVAL"
+SCHEDULER_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
+
+
+# ---------------------------------------------------------------- launcher side
+
+
+def _model_config(model_path: str) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path)
+
+
+def load_for_model(path: str, model_path: str) -> Pattern:
+    """The pattern, validated against the served model; OmniFlagError in one line if not."""
+    try:
+        config = _model_config(model_path)
+        text_config = getattr(config, "text_config", None) or config
+        pattern = load(Path(path), text_config, model_id=model_path)
+    except PatternError as exc:
+        raise OmniFlagError(f"--omni-attn-pattern: {exc}") from None
+    except OSError as exc:
+        raise OmniFlagError(f"--omni-attn-pattern: cannot read the model config: {exc}") from None
+    if not pattern.compressed_layers:
+        raise OmniFlagError("--omni-attn-pattern: the pattern compresses no layer")
+    if len(pattern.compressed_layers) == pattern.num_layers:
+        raise OmniFlagError(
+            "--omni-attn-pattern: every layer is compressed; keep at least one full layer"
+        )
+    if pattern.recent < 2:
+        raise OmniFlagError("--omni-attn-pattern: recent must be >= 2")
+    return pattern
+
+
+def prepare_namespace(namespace: argparse.Namespace, config: OmniConfig) -> Pattern:
+    """Turn the pattern into SGLang's hybrid-SWA settings before ServerArgs is built."""
+    assert config.omni_attn_pattern is not None
+    pattern = load_for_model(config.omni_attn_pattern, str(namespace.model_path))
+    backend = getattr(namespace, "attention_backend", None)
+    if backend not in SUPPORTED_BACKENDS:
+        raise OmniFlagError(
+            f"--omni-attn-pattern: needs --attention-backend {' or '.join(SUPPORTED_BACKENDS)}, "
+            f"got {backend}"
+        )
+    page_size = getattr(namespace, "page_size", None)
+    if page_size not in (None, 1):
+        raise OmniFlagError("--omni-attn-pattern: needs --page-size 1")
+    if getattr(namespace, "disable_hybrid_swa_memory", False):
+        raise OmniFlagError("--omni-attn-pattern: cannot be combined with --disable-hybrid-swa-memory")
+    if getattr(namespace, "speculative_algorithm", None):
+        raise OmniFlagError("--omni-attn-pattern: speculative decoding is not supported")
+    raw = getattr(namespace, "json_model_override_args", None) or "{}"
+    try:
+        overrides = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise OmniFlagError(f"--json-model-override-args is not valid JSON: {exc.msg}") from None
+    overrides.update(
+        runtime_window.model_overrides(pattern.num_layers, pattern.compressed_layers, pattern.recent)
+    )
+    namespace.json_model_override_args = json.dumps(overrides)
+    # Prefix reuse is refused: see docs/omni_attn.md (radix cache).
+    namespace.disable_radix_cache = True
+    if (
+        getattr(namespace, "swa_full_tokens_ratio", None) is None
+        and getattr(namespace, "max_running_requests", None) is None
+    ):
+        namespace.swa_full_tokens_ratio = runtime_window.default_swa_ratio(
+            pattern.sink, pattern.recent
+        )
+    # SGLang frees window slots in batches of this many tokens (its default is 128).
+    os.environ.setdefault(EVICTION_INTERVAL_ENV, str(runtime_window.EVICTION_INTERVAL))
+    logger.info(
+        "omniinfer: OmniAttn compresses layers %s (sink %d, recent %d)",
+        list(pattern.compressed_layers), pattern.sink, pattern.recent,
+    )
+    return pattern
+
+
+# ---------------------------------------------------------------- scheduler side
+
+
+class _State:
+    pattern: Pattern | None = None
+    attention: Any = None
+    status: Any = None
+
+
+def _raise_floor(req: Any) -> None:
+    pattern = _State.pattern
+    assert pattern is not None
+    kv = req.kv
+    if kv.swa_evict_floor < pattern.sink:
+        kv.swa_evict_floor = pattern.sink
+
+
+def _around_evict(original: Callable[..., Any], cache: Any, req: Any, pre_len: int,
+                  *args: Any, **kwargs: Any) -> Any:
+    """Keep the sink, count the slots the window frees."""
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    if not req.kv.holds_kv:
+        return original(cache, req, pre_len, *args, **kwargs)
+    _raise_floor(req)
+    before = max(req.kv.get_evicted_seqlen(ComponentType.SWA), req.kv.swa_dead_lo(cache.page_size))
+    result = original(cache, req, pre_len, *args, **kwargs)
+    after = req.kv.get_evicted_seqlen(ComponentType.SWA)
+    if _State.status is not None and after > before:
+        _State.status.on_freed(after - before)
+    return result
+
+
+def _around_component_free(original: Callable[..., Any], component: Any, req: Any,
+                           pre_len: int) -> Any:
+    if req.kv.holds_kv:
+        _raise_floor(req)
+    return original(component, req, pre_len)
+
+
+def _with_sink_window(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Admission and pool-cap arithmetic: a compressed layer holds window + sink slots."""
+    pattern = _State.pattern
+    assert pattern is not None
+    for key in ("sliding_window_size", "window"):
+        if kwargs.get(key):
+            kwargs[key] = kwargs[key] + pattern.sink
+    return original(*args, **kwargs)
+
+
+def _around_sizes_from_max_tokens(original: Callable[..., Any], configurator: Any,
+                                  max_total_num_tokens: int, page_size: int) -> Any:
+    """``--max-total-tokens M`` means the KV bytes of M tokens in the uncompressed model."""
+    full_layers = configurator._full_layers_num
+    swa_layers = configurator._swa_layers_num
+    if full_layers == 0:
+        return original(configurator, max_total_num_tokens, page_size)
+    per_token = (
+        configurator._full_per_token * full_layers + configurator._swa_per_token * swa_layers
+    )
+    config = configurator.calculate_pool_sizes(max_total_num_tokens * per_token, page_size)
+    logger.info(
+        "omniinfer: OmniAttn KV budget of %d uncompressed tokens -> full pool %d tokens, "
+        "compressed pool %d tokens", max_total_num_tokens,
+        config.full_max_total_num_tokens, config.swa_max_total_num_tokens,
+    )
+    return config
+
+
+def _refresh_status(_result: Any, _batch: Any, *_a: Any, **_k: Any) -> None:
+    if _State.status is not None:
+        _State.status.maybe_write()
+
+
+def _after_scheduler_init(_result: Any, scheduler: Any, *_a: Any, **_k: Any) -> None:
+    from omniinfer.sglang_plugin.omni_attn_status import AttnStatus
+    from omniinfer.sglang_plugin.worker import tp_rank
+
+    assert _State.pattern is not None
+    _State.status = AttnStatus.from_scheduler(
+        scheduler, _State.pattern, _State.attention, writer=tp_rank() in (0, None)
+    )
+    _State.status.write()
+    logger.info("omniinfer: OmniAttn pools %s", json.dumps(_State.status.pools()))
+
+
+def register(config: OmniConfig) -> None:
+    """Worker-side hooks; the launcher already validated the pattern against the model."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from omniinfer.sglang_plugin.omni_attn_backend import CompressedAttention, around_forward
+
+    assert config.omni_attn_pattern is not None
+    pattern = load(Path(config.omni_attn_pattern))
+    _State.pattern = pattern
+    _State.attention = CompressedAttention(pattern.compressed_layers, pattern.sink, pattern.recent)
+    hooks: list[tuple[str, Callable[..., Any], HookType]] = [
+        (f"{TORCH_NATIVE}.forward_extend", around_forward(_State.attention, False), HookType.AROUND),
+        (f"{TORCH_NATIVE}.forward_decode", around_forward(_State.attention, True), HookType.AROUND),
+        (EVICT_SLIDING_WINDOWS, _around_evict, HookType.AROUND),
+        (SWA_COMPONENT_FREE, _around_component_free, HookType.AROUND),
+        (ESTIMATE_SWA_TOKENS, _with_sink_window, HookType.AROUND),
+        (SWA_REQUEST_CAP, _with_sink_window, HookType.AROUND),
+        *[
+            (f"{c}.calculate_pool_sizes_from_max_tokens", _around_sizes_from_max_tokens,
+             HookType.AROUND)
+            for c in POOL_CONFIGURATORS
+        ],
+        (MAYBE_EVICT_SWA, _refresh_status, HookType.AFTER),
+        (SCHEDULER_IDLE, _refresh_status, HookType.AFTER),
+        (SCHEDULER_INIT, _after_scheduler_init, HookType.AFTER),
+    ]
+    for target, hook, kind in hooks:
+        HookRegistry.register(target, hook, kind)
