@@ -1,16 +1,25 @@
 """Calibrate the ``cpu-smollm2`` emulator profile against the real SGLang CPU server.
 
-1. Fitting workload (synchronised microbenchmarks on the real server):
-   - prefill: single requests, one output token, prompts of 16, 256 and 1,024 tokens;
-   - batched prefill + decode: B ∈ {1, 4} requests sent at once (64-token prompts, 16 output
-     tokens), and one 1,024-token prompt at B = 1 for the KV-length term.
-   TTFT samples fit ``prefill_base_s + per_request·B + per_token·n + attention·Σn²/2``; median TPOT
-   per run fits ``decode_base_s + per_request·B + per_kv_token·KV`` (least squares, non-negative).
-2. Validation workload, NOT used for fitting: a closed loop at concurrency 4, 12 requests, prompts
-   of 99..300 tokens and 7..24 output tokens, on the real server and on an emulated worker with
+1. Warm-up: one request of each shape, so first-use costs do not enter the fit.
+2. Fitting workload (synchronised microbenchmarks on the real server, random token ids):
+   - prefill: single requests with one output token, prompts of 16 .. 2,048 tokens (two each),
+     and batches of 4 sent at once;
+   - decode: B ∈ {1, 2, 4, 8} requests sent at once with 64- and 512-token prompts and 24 output
+     tokens; the median inter-token latency of each run is one decode sample.
+   - prefill into a running batch: single requests of 128 and 384 tokens sent while R ∈ {1, 2, 4}
+     requests decode (on two cores the running requests' output path slows the pass down).
+   The decode samples fit ``decode_base_s + per_request·B + per_kv_token·KV``; TTFT samples, less
+   the expected wait for the decode step in flight (half a fitted step), fit ``prefill_base_s +
+   per_running_request·R + per_request·B + per_token·Σn + attention·Σn²/2`` (least squares,
+   non-negative).
+3. Validation workload, NOT used for fitting: a closed loop at concurrency 4, 16 requests, prompts
+   of 100..400 tokens and 16..48 output tokens, on the real server and on an emulated worker with
    the fitted profile (real time, ``--time-scale 1``). Prints median TTFT and TPOT of both and the
    relative error (target: within 20%), writes ``results/calibration.json`` and, with
    ``--write-profile``, the profile YAML.
+
+Both servers are driven by ``omniinfer bench``'s own closed loop (``omniinfer.bench.runner``).
+Timing: run it on a quiet machine; the script records the load average before and after.
 
     python benchmark/emulator/calibrate.py --write-profile            # starts the real server
     python benchmark/emulator/calibrate.py --real-url http://127.0.0.1:31000
@@ -20,16 +29,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
@@ -38,103 +46,31 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "python"))
 
+from omniinfer.bench.client import BACKENDS, RequestResult, send  # noqa: E402
+from omniinfer.bench.runner import run_closed_loop  # noqa: E402
+from omniinfer.bench.workloads import BenchRequest, TokenSource  # noqa: E402
 from omniinfer.emulator.profile import load_profile, profile_from_dict  # noqa: E402
 
 MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 PROFILE_PATH = ROOT / "python" / "omniinfer" / "emulator" / "profiles" / "cpu-smollm2.yaml"
 RESULTS = Path(__file__).resolve().parent / "results" / "calibration.json"
 MAX_TOTAL_TOKENS = 16384
+VOCAB = 49152  # SmolLM2 config.json
+SPECIAL = frozenset(range(17))  # SmolLM2's added special tokens sit at ids 0..16
+
+BACKGROUND_PROMPT, BACKGROUND_OUTPUT = 300, 48  # the decoding requests of the running-batch probes
+
+_tokens = TokenSource(VOCAB, SPECIAL, seed=7)
+_next_key = [0]
 
 
-@dataclasses.dataclass
-class BenchRequest:
-    index: int
-    prompt: str
-    prompt_tokens: int
-    output_tokens: int
-
-
-@dataclasses.dataclass
-class Result:
-    prompt_tokens: int
-    output_tokens: int = 0
-    ttft: float | None = None
-    e2e: float | None = None
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def tpot(self) -> float | None:
-        if self.ttft is None or self.e2e is None or self.output_tokens < 2:
-            return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
-
-
-def random_text(tokenizer, num: int, input_len: int, output_len: int, ratio: float, seed: int) -> list[BenchRequest]:
-    """Prompts cut from tinyshakespeare at random offsets; lengths uniform in [ratio·len, len]."""
-    rng = random.Random(seed)
-    ids = _corpus_ids(tokenizer)
+def make_requests(shapes: Sequence[tuple[int, int]]) -> list[BenchRequest]:
+    """Fresh random-id prompts (never a cache hit) of the given (prompt, output) lengths."""
     out = []
-    for i in range(num):
-        n_in = rng.randint(max(1, int(input_len * ratio)), input_len)
-        n_out = rng.randint(max(1, int(output_len * ratio)), output_len)
-        start = rng.randrange(0, len(ids) - n_in)
-        prompt = tokenizer.decode(ids[start : start + n_in])
-        out.append(BenchRequest(i, prompt, len(tokenizer.encode(prompt, add_special_tokens=False)), n_out))
+    for i, (n_in, n_out) in enumerate(shapes):
+        _next_key[0] += 1
+        out.append(BenchRequest(i, n_in, n_out, input_ids=tuple(_tokens.block(_next_key[0], n_in))))
     return out
-
-
-_CORPUS: list[int] = []
-
-
-def _corpus_ids(tokenizer) -> list[int]:
-    if not _CORPUS:
-        text = (ROOT / "python" / "omniinfer" / "data" / "text" / "tinyshakespeare.txt").read_text()[:400_000]
-        _CORPUS.extend(tokenizer.encode(text, add_special_tokens=False))
-    return _CORPUS
-
-
-async def _one(session: aiohttp.ClientSession, url: str, req: BenchRequest) -> Result:
-    """POST /generate streaming with ignore_eos; TTFT at the first token, E2E at [DONE]."""
-    result = Result(req.prompt_tokens)
-    body = {"text": req.prompt, "stream": True,
-            "sampling_params": {"max_new_tokens": req.output_tokens, "temperature": 0.0, "ignore_eos": True}}
-    start = time.perf_counter()
-    async with session.post(f"{url}/generate", json=body) as response:
-        if response.status != 200:
-            result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
-            return result
-        async for raw in response.content:
-            line = raw.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            if "error" in event:
-                result.error = str(event["error"])[:200]
-                return result
-            produced = int(event["meta_info"]["completion_tokens"])
-            if produced > 0 and result.ttft is None:
-                result.ttft = time.perf_counter() - start
-            result.output_tokens = produced
-            result.prompt_tokens = int(event["meta_info"]["prompt_tokens"])
-    result.e2e = time.perf_counter() - start
-    return result
-
-
-async def _closed_loop(url: str, requests: list[BenchRequest], concurrency: int) -> list[Result]:
-    queue = list(reversed(requests))
-    results: list[Result] = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
-
-        async def worker() -> None:
-            while queue:
-                results.append(await _one(session, url, queue.pop()))
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return results
 
 
 def flush(url: str) -> None:
@@ -144,38 +80,69 @@ def flush(url: str) -> None:
         pass
 
 
-def run(url: str, requests: list[BenchRequest], concurrency: int) -> list[Result]:
-    results = asyncio.run(_closed_loop(url, requests, concurrency))
+def run(url: str, requests: list[BenchRequest], concurrency: int) -> list[RequestResult]:
+    results, _ = asyncio.run(run_closed_loop(url, requests, concurrency, "sglang", progress=False,
+                                             timeout_s=900))
     bad = [r for r in results if not r.ok]
     if bad:
         raise SystemExit(f"{len(bad)} request(s) failed against {url}: {bad[0].error}")
     return results
 
 
-def renumber(requests: list[BenchRequest]) -> list[BenchRequest]:
-    return [BenchRequest(i, r.prompt, r.prompt_tokens, r.output_tokens) for i, r in enumerate(requests)]
+def warm_up(url: str) -> None:
+    for shapes in ([(64, 4)], [(1024, 4)], [(64, 4)] * 4):
+        run(url, make_requests(shapes), len(shapes))
 
 
-def fitting_measurements(url: str, tokenizer, seed: int = 1) -> dict:
+def fitting_measurements(url: str) -> dict:
     """Synchronised microbenchmarks; returns raw samples for the fit."""
     prefill = []
-    for n in (16, 256, 1024):
-        for rep in range(2):
+    for n in (16, 128, 512, 1024, 2048):
+        for _ in range(2):
             flush(url)
-            req = random_text(tokenizer, 1, n, 1, 1.0, seed + 100 * n + rep)
-            res = run(url, req, 1)[0]
-            prefill.append({"batch": 1, "tokens": [req[0].prompt_tokens], "ttft": res.ttft})
-    decode = []
-    for batch, n_in in ((1, 64), (4, 64), (1, 1024)):
+            res = run(url, make_requests([(n, 1)]), 1)[0]
+            prefill.append({"batch": 1, "tokens": [n], "ttft": res.ttft})
+    for n in (128, 512):
         flush(url)
-        reqs = renumber(random_text(tokenizer, batch, n_in, 16, 1.0, seed + 7 * batch + n_in))
-        results = run(url, reqs, batch)
-        for r in results:
-            prefill.append({"batch": batch, "tokens": [q.prompt_tokens for q in reqs], "ttft": r.ttft})
-        tpots = [r.tpot for r in results if r.tpot is not None]
-        kv = sum(q.prompt_tokens for q in reqs) + batch * 8  # mid-decode KV
-        decode.append({"batch": batch, "kv": kv, "tpot": statistics.median(tpots)})
+        results = run(url, make_requests([(n, 1)] * 4), 4)
+        # Sent at once, they share one prefill batch: its time is the last first token.
+        prefill.append({"batch": 4, "tokens": [n] * 4, "ttft": max(r.ttft for r in results)})
+    decode = []
+    for n_in in (64, 512):
+        for batch in (1, 2, 4, 8):
+            flush(url)
+            results = run(url, make_requests([(n_in, 24)] * batch), batch)
+            itl = [x for r in results for x in r.itl[2:]]  # skip steps next to the prefill
+            kv = batch * (n_in + 12)  # mid-decode KV
+            decode.append({"batch": batch, "kv": kv, "tpot": statistics.median(itl)})
+            print(f"  decode B={batch} prompt={n_in}: median ITL {decode[-1]['tpot'] * 1e3:.1f} ms", flush=True)
+    for running in (1, 2, 4):
+        flush(url)
+        for sample in asyncio.run(_prefill_while_decoding(url, running)):
+            prefill.append(sample)
+            print(f"  prefill {sample['tokens'][0]} tokens with {running} decoding: TTFT {sample['ttft'] * 1e3:.0f} ms",
+                  flush=True)
     return {"prefill": prefill, "decode": decode}
+
+
+async def _prefill_while_decoding(url: str, running: int) -> list[dict]:
+    """Probe requests arriving while ``running`` requests decode; one sample per probe."""
+    api = BACKENDS["sglang"]
+    samples = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        background = [asyncio.create_task(send(session, url, api, r, lambda r: "", 0.0))
+                      for r in make_requests([(BACKGROUND_PROMPT, BACKGROUND_OUTPUT)] * running)]
+        await asyncio.sleep(4.0)  # past the background's own prefill
+        for n in (128, 384, 128, 384):
+            probe = await send(session, url, api, make_requests([(n, 1)])[0], lambda r: "", 0.0)
+            if not probe.ok or probe.ttft is None:
+                raise SystemExit(f"probe failed against {url}: {probe.error}")
+            samples.append({"batch": 1, "tokens": [n], "ttft": probe.ttft, "running": running})
+            await asyncio.sleep(0.3)
+        finished = await asyncio.gather(*background)
+    if any(r.output_tokens < BACKGROUND_OUTPUT for r in finished):
+        raise SystemExit("background requests ended before the probes: raise their output length")
+    return samples
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -192,33 +159,41 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def fit(samples: dict) -> dict[str, float]:
     rows, ys = [], []
-    for s in samples["prefill"]:
-        tokens = s["tokens"]
-        rows.append([1.0, s["batch"], sum(tokens), sum(n * n / 2.0 for n in tokens)])
-        ys.append(s["ttft"])
-    p = nnls(np.array(rows), np.array(ys))
-    rows, ys = [], []
     for s in samples["decode"]:
         rows.append([1.0, s["batch"], s["kv"]])
         ys.append(s["tpot"])
     d = nnls(np.array(rows), np.array(ys))
+    rows, ys = [], []
+    for s in samples["prefill"]:
+        tokens, running = s["tokens"], s.get("running", 0)
+        wait = 0.0
+        if running:  # the probe waited on average half of the decode step in flight
+            wait = 0.5 * (d[0] + d[1] * running + d[2] * running * (BACKGROUND_PROMPT + BACKGROUND_OUTPUT // 2))
+        rows.append([1.0, running, s["batch"], sum(tokens), sum(n * n / 2.0 for n in tokens)])
+        ys.append(max(s["ttft"] - wait, 0.0))
+    p = nnls(np.array(rows), np.array(ys))
     return {
-        "prefill_base_s": float(p[0]), "prefill_per_request_s": float(p[1]),
-        "prefill_per_token_s": float(p[2]), "prefill_attention_s": float(p[3]),
+        "prefill_base_s": float(p[0]), "prefill_per_running_request_s": float(p[1]),
+        "prefill_per_request_s": float(p[2]),
+        "prefill_per_token_s": float(p[3]), "prefill_attention_s": float(p[4]),
         "decode_base_s": float(d[0]), "decode_per_request_s": float(d[1]),
         "decode_per_kv_token_s": float(d[2]),
     }
 
 
-def validation_requests(tokenizer) -> list[BenchRequest]:
-    return random_text(tokenizer, 12, 300, 24, 0.33, seed=12345)
+def validation_requests() -> list[BenchRequest]:
+    """16 requests, prompts 100..400 tokens, outputs 16..48 tokens (seeded); not used for fitting."""
+    import random
+
+    rng = random.Random(12345)
+    return make_requests([(rng.randint(100, 400), rng.randint(16, 48)) for _ in range(16)])
 
 
-def medians(results) -> dict[str, float]:
+def medians(results: list[RequestResult]) -> dict[str, float]:
     return {
-        "median_ttft_s": statistics.median(r.ttft for r in results),
+        "median_ttft_s": statistics.median(r.ttft for r in results if r.ttft is not None),
         "median_tpot_s": statistics.median(r.tpot for r in results if r.tpot is not None),
-        "mean_prompt_tokens": statistics.mean(r.prompt_tokens for r in results),  # as the server counted them
+        "mean_prompt_tokens": statistics.mean(r.prompt_tokens for r in results),
     }
 
 
@@ -252,6 +227,7 @@ cost:
   prefill_per_request_s: {c['prefill_per_request_s']}   # fitted: TTFT slope per request in a batch
   prefill_per_token_s: {c['prefill_per_token_s']}     # fitted: TTFT slope per prompt token
   prefill_attention_s: {c['prefill_attention_s']}     # fitted: TTFT slope per n²/2 (attention)
+  prefill_per_running_request_s: {c['prefill_per_running_request_s']}  # fitted: TTFT slope per decoding request
   decode_base_s: {c['decode_base_s']}            # fitted: TPOT intercept
   decode_per_request_s: {c['decode_per_request_s']}    # fitted: TPOT slope per running request
   decode_per_kv_token_s: {c['decode_per_kv_token_s']}   # fitted: TPOT slope per KV token in the batch
@@ -284,11 +260,10 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
 
-    from transformers import AutoTokenizer
-
     from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
 
-    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    load_before = os.getloadavg()
+    validation = validation_requests()
     server = None
     url = args.real_url
     if url is None:
@@ -298,13 +273,15 @@ def main() -> int:
         url = server.base_url
     try:
         t0 = time.time()
+        print("warm-up ...", flush=True)
+        warm_up(url)
         print("fitting workload on the real server ...", flush=True)
-        samples = fitting_measurements(url, tokenizer)
+        samples = fitting_measurements(url)
         cost = fit(samples)
         print("fitted:", json.dumps(cost, indent=1))
         print("validation workload on the real server ...", flush=True)
         flush(url)
-        real = medians(run(url, validation_requests(tokenizer), 4))
+        real = medians(run(url, validation, 4))
     finally:
         if server is not None:
             server.stop()
@@ -321,7 +298,7 @@ def main() -> int:
         print("validation workload on the emulator ...", flush=True)
         proc = start_emulator(path, port, Path(tmp) / "emulator.log")
         try:
-            emu = medians(run(f"http://127.0.0.1:{port}", validation_requests(tokenizer), 4))
+            emu = medians(run(f"http://127.0.0.1:{port}", validation, 4))
         finally:
             proc.terminate()
             proc.wait()
@@ -336,9 +313,9 @@ def main() -> int:
     print("within 20%:", "yes" if ok else "NO")
     result = {
         "date": date, "wall_s": time.time() - t0, "fitted_cost": cost, "fitting_samples": samples,
-        "validation_workload": {"num_requests": 12, "concurrency": 4, "input_len": "99..300",
-                                "output_len": "7..24", "seed": 12345},
-        "load_average_at_end": os.getloadavg(),
+        "validation_workload": {"num_requests": 16, "concurrency": 4, "input_len": "100..400",
+                                "output_len": "16..48", "seed": 12345},
+        "load_average_before": load_before, "load_average_at_end": os.getloadavg(),
         "real": real, "emulated": emu, "error_median_ttft": err_ttft, "error_median_tpot": err_tpot,
         "within_20_percent": ok,
     }

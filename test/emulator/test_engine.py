@@ -174,6 +174,29 @@ def test_decode_step_time_grows_with_batch_and_kv() -> None:
     assert cost.decode_time(4, 1000) == pytest.approx(0.02 + 4 * 0.001 + 1000 * 1e-6)
 
 
+def test_prefill_pass_slows_with_running_requests_when_the_profile_says_so() -> None:
+    plain = make_profile()
+    contended = plain.with_cost(prefill_per_running_request_s=0.05)
+    items = [PrefillItem(200, 0)]
+    assert plain.cost_model().prefill_time(items, running=4) == plain.cost_model().prefill_time(items)
+    assert contended.cost_model().prefill_time(items, running=4) == pytest.approx(
+        plain.cost_model().prefill_time(items) + 4 * 0.05)
+
+    async def main() -> float:  # the engine passes its running batch to the cost model
+        engine = EmulatedEngine(contended, time_scale=0)
+        engine.start()
+        first = engine.submit(EmuRequest(ids(100), 50))
+        while not first.output_ids:
+            await first.wait_progress()
+        second = engine.submit(EmuRequest(ids(100, 50_000), 1))
+        await run_all(engine, [first, second])
+        return engine.stats.prefill_busy_s
+
+    cost = contended.cost_model()
+    alone, beside_one = cost.prefill_time([PrefillItem(100, 0)]), cost.prefill_time([PrefillItem(100, 0)], 1)
+    assert asyncio.run(main()) == pytest.approx(alone + beside_one)
+
+
 def test_abort_frees_memory_and_finishes() -> None:
     async def main() -> tuple[EmuRequest, EmulatedEngine]:
         engine = EmulatedEngine(make_profile(), time_scale=0.001)

@@ -24,8 +24,8 @@ class CostModel(abc.ABC):
     """How long the emulated accelerator takes for each kind of work, in model seconds."""
 
     @abc.abstractmethod
-    def prefill_time(self, items: Sequence[PrefillItem]) -> float:
-        """One prefill (extend) forward pass over ``items``."""
+    def prefill_time(self, items: Sequence[PrefillItem], running: int = 0) -> float:
+        """One prefill (extend) forward pass over ``items`` while ``running`` requests decode."""
 
     @abc.abstractmethod
     def decode_time(self, batch_size: int, kv_tokens: int) -> float:

@@ -331,7 +331,7 @@ class EmulatedEngine:
         while True:
             batch = self._schedule_prefill()
             if batch:
-                duration = self.cost.prefill_time([item for _, item in batch])
+                duration = self.cost.prefill_time([item for _, item in batch], running=len(self.running))
                 await self._pass(loop, duration)
                 self.stats.prefill_passes += 1
                 self.stats.prefill_busy_s += duration

@@ -56,6 +56,10 @@ class CostCoefficients:
     prefill_per_request_s: float = 0.0  # per request in the pass
     prefill_per_token_s: float = 0.0  # per computed token
     prefill_attention_s: float = 0.0  # per computed token per token attended (quadratic part)
+    # Per request decoding while a prefill pass runs. On a small CPU host the running requests'
+    # output path (detokenizer, HTTP streaming) competes with the forward pass for the cores;
+    # on an accelerator it is ~0.
+    prefill_per_running_request_s: float = 0.0
     decode_base_s: float = 0.0  # per decode step
     decode_per_request_s: float = 0.0  # per running request
     decode_per_kv_token_s: float = 0.0  # per KV token read in the step
@@ -97,7 +101,8 @@ class Profile:
 class LinearCostModel(CostModel):
     """Pass times linear in tokens, requests and attended KV (plus a quadratic prefill term).
 
-    prefill = base + Σ_req (per_request + per_token·n + attention·n·(ctx + n/2))
+    prefill = base + per_running_request·running + Σ_req (per_request + per_token·n
+              + attention·n·(ctx + n/2))
     decode  = base + per_request·batch + per_kv_token·Σ kv
     transfer = latency + tokens·kv_bytes_per_token / bandwidth
     """
@@ -106,9 +111,9 @@ class LinearCostModel(CostModel):
         self.c = cost
         self.t = transfer
 
-    def prefill_time(self, items: Sequence[PrefillItem]) -> float:
+    def prefill_time(self, items: Sequence[PrefillItem], running: int = 0) -> float:
         c = self.c
-        total = c.prefill_base_s
+        total = c.prefill_base_s + c.prefill_per_running_request_s * running
         for n, ctx in items:
             total += c.prefill_per_request_s + c.prefill_per_token_s * n
             total += c.prefill_attention_s * n * (ctx + n / 2.0)
