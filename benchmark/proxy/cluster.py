@@ -75,11 +75,18 @@ def wait_ok(url: str, proc: Proc, timeout_s: float = 60.0, method: str = "GET",
     raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s:\n{proc.tail()}")
 
 
+def kv_events_args() -> list[str]:
+    """``--kv-events-config`` of one emulator: SGLang's ZMQ publisher on a free port."""
+    return ["--kv-events-config",
+            json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{free_port()}"})]
+
+
 class EmulatedCluster:
-    """``n_prefill`` prefill and ``n_decode`` decode emulators of one profile."""
+    """``n_prefill`` prefill and ``n_decode`` decode emulators of one profile (each publishing
+    its KV events if ``kv_events``, for a router with ``--cache-truth kv-events``)."""
 
     def __init__(self, n_prefill: int, n_decode: int, profile: str, time_scale: float,
-                 log_dir: Path, extra: tuple[str, ...] = ()) -> None:
+                 log_dir: Path, extra: tuple[str, ...] = (), kv_events: bool = False) -> None:
         self.prefill: list[tuple[str, int]] = []  # (url, bootstrap port)
         self.decode: list[str] = []
         self.procs: list[Proc] = []
@@ -87,16 +94,17 @@ class EmulatedCluster:
         base = [sys.executable, "-m", "omniinfer", "emulate-worker", "--profile", profile,
                 "--time-scale", str(time_scale), *extra]
         try:
+            events = kv_events_args if kv_events else list
             for i in range(n_prefill):
                 port, boot = free_port(), free_port()
                 self.procs.append(Proc([*base, "--port", str(port), "--disaggregation-mode",
-                                        "prefill", "--disaggregation-bootstrap-port", str(boot)],
-                                       log_dir / f"prefill{i}.log"))
+                                        "prefill", "--disaggregation-bootstrap-port", str(boot),
+                                        *events()], log_dir / f"prefill{i}.log"))
                 self.prefill.append((f"http://127.0.0.1:{port}", boot))
             for i in range(n_decode):
                 port = free_port()
                 self.procs.append(Proc([*base, "--port", str(port), "--disaggregation-mode",
-                                        "decode"], log_dir / f"decode{i}.log"))
+                                        "decode", *events()], log_dir / f"decode{i}.log"))
                 self.decode.append(f"http://127.0.0.1:{port}")
             for proc, url in zip(self.procs, self.urls(), strict=True):
                 wait_ok(url + "/health", proc)
@@ -129,9 +137,9 @@ class EmulatedCluster:
 
 
 def omni_router_args(cluster: EmulatedCluster, prefill_policy: str, decode_policy: str,
-                     access_log: Path | None = None) -> list[str]:
-    args = ["--pd-disaggregation", "--prefill-policy", prefill_policy,
-            "--decode-policy", decode_policy, "--log-level", "warn",
+                     access_log: Path | None = None, cache_truth: str = "router") -> list[str]:
+    args = ["--pd-disaggregation", "--cache-truth", cache_truth,
+            "--prefill-policy", prefill_policy, "--decode-policy", decode_policy, "--log-level", "warn",
             "--loads-poll-interval-secs", "0.5", "--max-concurrent-requests", "4096"]
     for url, boot in cluster.prefill:
         args += ["--prefill", url, str(boot)]

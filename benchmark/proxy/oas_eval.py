@@ -6,7 +6,10 @@ ablations on 4P1D), the Rust ``sglang_router`` 0.3.2 with ``round_robin``, ``cac
 ``power_of_two`` — it runs the ``paper`` workload closed-loop at each concurrency of the sweep
 and the Mooncake conversation trace open-loop, with the prefix caches flushed before each run.
 Times are converted back to model seconds (divided by the time scale) before the SLO
-(TTFT < 2 s, TPOT < 50 ms) is applied. Writes ``results.json``, ``goodput.png`` and
+(TTFT < 2 s, TPOT < 50 ms) is applied. ``--cache-truth kv-events`` (or ``both``) also runs our
+policies with the prefix index driven by the emulators' KV events (target ``omni:oas@kv-events``);
+every OmniProxy run records how often its predicted cached tokens matched what the prefill
+worker reported (the router's ``cache_prediction`` counters). Writes ``results.json``, ``goodput.png`` and
 ``ttft_cdf.png`` to ``--output-dir`` and prints the tables (``--markdown`` prints the docs one).
 
     python benchmark/proxy/oas_eval.py --quick          # a few minutes
@@ -22,6 +25,8 @@ import json
 import signal
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -53,13 +58,15 @@ VOCAB = 128000
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    name: str  # as shown in tables: "omni:oas", "sglang:round_robin"
+    name: str  # as shown in tables: "omni:oas", "omni:oas@kv-events", "sglang:round_robin"
     router: str  # "omni" | "sglang"
     policy: str
+    cache_truth: str = "router"  # what fills OmniProxy's prefix index
 
 
-def targets(ablations: bool) -> list[Target]:
-    out = [Target(f"omni:{p}", "omni", p) for p in OURS]
+def targets(ablations: bool, truths: tuple[str, ...] = ("router",)) -> list[Target]:
+    out = [Target(f"omni:{p}" + ("" if truth == "router" else f"@{truth}"), "omni", p, truth)
+           for p in OURS for truth in truths]
     if ablations:
         out += [Target(f"omni:{p}", "omni", p) for p in ABLATIONS]
     out += [Target(f"sglang:{p}", "sglang", p) for p in SGLANG]
@@ -74,6 +81,15 @@ def to_model_time(results: list[RequestResult], scale: float) -> list[RequestRes
             e2e=None if r.e2e is None else r.e2e / scale, itl=[x / scale for x in r.itl],
             start=r.start / scale, end=r.end / scale))
     return out
+
+
+def router_predictions(port: int) -> dict[str, Any] | None:
+    """The router's own prediction counters (exact / over / under per cache truth)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/list_workers", timeout=10) as r:
+            return json.loads(r.read()).get("cache_prediction") or None
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
 
 
 def prediction_match(access_log: Path) -> dict[str, float] | None:
@@ -113,7 +129,7 @@ def run_target(target: Target, cluster: EmulatedCluster, workloads: list[dict[st
     access = log_dir / f"{target.name.replace(':', '_')}.access.jsonl"
     if target.router == "omni":
         command = omni_router_command(omni_router_args(cluster, target.policy, target.policy,
-                                                       access), port)
+                                                       access, target.cache_truth), port)
     else:  # sglang-router refuses power_of_two over one decode worker; one choice is no choice
         decode = target.policy if len(cluster.decode) > 1 else "round_robin"
         command = sglang_router_command(cluster, target.policy, decode, port)
@@ -122,10 +138,13 @@ def run_target(target: Target, cluster: EmulatedCluster, workloads: list[dict[st
         cluster.flush()
         access.unlink(missing_ok=True)
         router = start_router(command, port, log_dir / f"{target.name.replace(':', '_')}.log")
+        predictions = None
         try:
             results, duration = asyncio.run(run_one(
                 f"http://127.0.0.1:{port}", wl["requests"], wl["mode"], wl["concurrency"],
                 args.time_scale / args.trace_speedup))
+            if target.router == "omni":
+                predictions = router_predictions(port)
         finally:
             router.stop()
         model = to_model_time(results, args.time_scale)
@@ -140,6 +159,8 @@ def run_target(target: Target, cluster: EmulatedCluster, workloads: list[dict[st
         if target.router == "omni":
             time.sleep(1.2)  # the access log is flushed about every second
             row["prediction"] = prediction_match(access)
+            row["cache_truth"] = target.cache_truth
+            row["cache_prediction"] = predictions
         rows.append(row)
         s = summary
         print(f"  {target.name:26s} {wl['name']:10s} c={wl['concurrency']:<4} "
@@ -195,6 +216,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default=None, help="comma list of target names to run")
     p.add_argument("--no-ablations", action="store_true")
+    p.add_argument("--cache-truth", choices=("router", "kv-events", "both"), default="router",
+                   help="what fills OmniProxy's prefix index: its own routing (router), the "
+                   "emulators' KV events (kv-events), or run our policies in both modes")
     p.add_argument("--ablation-concurrency", type=int, default=None,
                    help="paper concurrency of the ablation runs (default: the sweep's third)")
     p.add_argument("--output-dir", type=Path,
@@ -216,6 +240,7 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     log_dir = out_dir / "logs"
     log_dir.mkdir(exist_ok=True)
+    truths = ("router", "kv-events") if args.cache_truth == "both" else (args.cache_truth,)
     rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
     for name in args.clusters.split(","):
@@ -224,10 +249,11 @@ def main() -> int:
               f"time scale {args.time_scale}", flush=True)
         sweep = args.concurrency if name == "4P1D" else args.small_concurrency
         workloads = build_workloads(args, sweep)
-        cluster = EmulatedCluster(n_p, n_d, args.profile, args.time_scale, log_dir / name)
+        cluster = EmulatedCluster(n_p, n_d, args.profile, args.time_scale, log_dir / name,
+                                  kv_events=args.cache_truth != "router")
         try:  # targets interleaved per workload, so a change in the box's load hits them all
             for wl in workloads:
-                for target in targets(ablations=name == "4P1D" and not args.no_ablations):
+                for target in targets(name == "4P1D" and not args.no_ablations, truths):
                     if args.only and target.name not in args.only.split(","):
                         continue
                     if target.policy in ABLATIONS and wl["concurrency"] not in (

@@ -128,6 +128,16 @@ def plots(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     return [goodput, cdf]
 
 
+def _prediction_cell(row: dict[str, Any]) -> str:
+    """The router's own counters: share of exact / over / under predictions (whole blocks)."""
+    tally = (row.get("cache_prediction") or {}).get(row.get("cache_truth", "router"))
+    measured = tally.get("measured") if tally else None
+    if not measured:
+        return "–"
+    return (f"{tally['exact'] / measured:.0%} / {tally['over'] / measured:.0%} / "
+            f"{tally['under'] / measured:.0%} (n={measured})")
+
+
 def tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines: list[str] = []
     for cluster in sorted({r["cluster"] for r in rows}):
@@ -152,8 +162,9 @@ def tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines.append("")
         lines.append(f"**{cluster}, Mooncake trace, open loop:**\n")
         lines.append("| router:policy | QPM | goodput QPM | TTFT p50 / p99 (s) | TPOT p50 (ms) "
-                     "| errors | predicted cache = reported (hits) |")
-        lines.append("|---|---|---|---|---|---|---|")
+                     "| errors | predicted cache = reported (hits) | cache prediction exact / "
+                     "over / under |")
+        lines.append("|---|---|---|---|---|---|---|---|")
         for r in _ok(rows):
             if r["cluster"] != cluster or r["workload"] != "mooncake":
                 continue
@@ -165,7 +176,8 @@ def tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                          f"{_fmt(s['goodput_requests_per_minute'])} | "
                          f"{_fmt((s['median_ttft_ms'] or 0) / 1000, 2)} / "
                          f"{_fmt((s['p99_ttft_ms'] or 0) / 1000, 2)} | "
-                         f"{_fmt(s['median_tpot_ms'], 1)} | {s['errors']} | {ptxt} |")
+                         f"{_fmt(s['median_tpot_ms'], 1)} | {s['errors']} | {ptxt} | "
+                         f"{_prediction_cell(r)} |")
         lines.append("")
     failed = [r for r in rows if "failed" in r]
     if failed:

@@ -231,3 +231,22 @@ def test_pd_pair_across_processes_with_transfer_delay(tmp_path) -> None:
     finally:
         prefill.stop()
         decode.stop()
+
+
+def _prefill_busy_us(emulator: Emulator) -> int:
+    _, text = request(emulator.url + "/v1/loads", "GET")
+    loads = json.loads(text)
+    rows = loads.get("loads", [loads]) if isinstance(loads, dict) else loads
+    return sum(int(r["total_prefill_busy_us"]) for r in rows)
+
+
+def test_prefill_busy_time_is_reported_in_wall_time(emulator: Emulator) -> None:
+    """With --time-scale the router sees busy time on its own clock, as from a real worker."""
+    before = _prefill_busy_us(emulator)
+    began = time.perf_counter()
+    status, _ = request(emulator.url + "/generate", "POST",
+                        {"input_ids": list(range(100, 2100)), "sampling_params": {"max_new_tokens": 1}})
+    elapsed = time.perf_counter() - began
+    assert status == 200
+    busy = (_prefill_busy_us(emulator) - before) / 1e6
+    assert 0 < busy <= elapsed

@@ -7,6 +7,7 @@ import asyncio
 import sys
 
 from omniinfer.emulator.profile import ProfileError, load_profile, shipped_profiles
+from omniinfer.kv_events import parse_kv_events_config
 
 
 def _time_scale(value: str) -> float:
@@ -38,6 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-total-tokens", type=int, default=None, help="override the profile's KV pool")
     p.add_argument("--incremental-streaming-output", action="store_true",
                    help="/generate streams only new tokens per event (SGLang's flag of that name)")
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish the radix cache's KV events over ZMQ as SGLang does, e.g. "
+                   '\'{"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": ""}\'')
     p.set_defaults(func=run)
 
 
@@ -52,12 +56,19 @@ def run(args: argparse.Namespace) -> int:
             print("error: --max-total-tokens must be >= 1", file=sys.stderr)
             return 2
         profile = profile.with_capacity(max_total_tokens=args.max_total_tokens)
+    if args.kv_events_config is not None:
+        try:
+            parse_kv_events_config(args.kv_events_config)
+        except ValueError as exc:
+            print(f"error: --kv-events-config: {exc}", file=sys.stderr)
+            return 2
     from omniinfer.emulator.server import WorkerServer, serve_forever
 
     server = WorkerServer(
         profile, args.port, host=args.host, mode=args.disaggregation_mode,
         bootstrap_port=args.disaggregation_bootstrap_port, time_scale=args.time_scale,
         incremental_streaming_output=args.incremental_streaming_output,
+        kv_events_config=args.kv_events_config,
     )
     try:
         import uvloop

@@ -3,7 +3,10 @@
 Each node holds a run of token ids. ``match_prefix`` returns the longest resident prefix (splitting
 a node where the match ends inside it, as SGLang's radix cache does); running requests ``lock``
 the path they use; ``evict`` drops unlocked leaves, oldest access first, until enough tokens are
-freed. With ``capacity`` set, ``insert`` evicts to stay within it.
+freed. With ``capacity`` set, ``insert`` evicts to stay within it. With a KV-event recorder
+attached (``attach_events``), new nodes, evicted nodes and resets are reported as SGLang's
+radix cache reports them (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``); each node
+then keeps the hash of its last token so that its children can name their parent block.
 """
 
 from __future__ import annotations
@@ -11,12 +14,16 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from omniinfer.emulator.base import BasePrefixCache, CacheSize, MatchResult
 
+if TYPE_CHECKING:
+    from omniinfer.emulator.kv_events import KvEventRecorder
+
 
 class _Node:
-    __slots__ = ("key", "children", "parent", "lock_ref", "last_access")
+    __slots__ = ("key", "children", "parent", "lock_ref", "last_access", "last_hash")
 
     def __init__(self, key: tuple[int, ...], parent: _Node | None) -> None:
         self.key = key
@@ -24,6 +31,7 @@ class _Node:
         self.parent = parent
         self.lock_ref = 0
         self.last_access = 0
+        self.last_hash: int | None = None  # KV events only: the block hash of the last token
 
 
 def _common_length(a: tuple[int, ...], b: Sequence[int], start: int) -> int:
@@ -40,9 +48,19 @@ class RadixCache(BasePrefixCache):
     def __init__(self, capacity: int | None = None) -> None:
         self.capacity = capacity
         self._clock = itertools.count(1)
+        self.events: KvEventRecorder | None = None
         self.reset()
 
+    def attach_events(self, recorder: KvEventRecorder) -> None:
+        """Report changes to ``recorder`` from now on (attach while the cache is empty)."""
+        self.events = recorder
+
+    def _hash_of(self, node: _Node) -> int | None:
+        return None if node is self.root else node.last_hash
+
     def reset(self) -> None:
+        if self.events is not None:
+            self.events.cleared()
         self.root = _Node((), None)
         self.root.lock_ref = 1  # never evicted
         self.total = 0
@@ -72,6 +90,8 @@ class RadixCache(BasePrefixCache):
         upper = _Node(child.key[:n], parent)
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
+        if self.events is not None:
+            upper.last_hash = self.events.last_hash(self._hash_of(parent), upper.key)
         parent.children[upper.key[0]] = upper
         child.key = child.key[n:]
         child.parent = upper
@@ -88,6 +108,8 @@ class RadixCache(BasePrefixCache):
         leaf = _Node(tuple(ids[pos:]), node)
         leaf.last_access = next(self._clock)
         node.children[leaf.key[0]] = leaf
+        if self.events is not None:
+            leaf.last_hash = self.events.stored(self._hash_of(node), leaf.key)
         added = len(leaf.key)
         self.total += added
         self.evictable += added
@@ -130,6 +152,8 @@ class RadixCache(BasePrefixCache):
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None
+            if self.events is not None:
+                self.events.removed(self._hash_of(parent), node.key)
             del parent.children[node.key[0]]
             freed += len(node.key)
             self.total -= len(node.key)

@@ -32,8 +32,10 @@ from aiohttp import web
 
 from omniinfer.emulator import protocol as proto
 from omniinfer.emulator.engine import EmulatedEngine, EmuRequest
+from omniinfer.emulator.kv_events import ZmqKvEventPublisher, server_info_block
 from omniinfer.emulator.profile import Profile
 from omniinfer.emulator.protocol import BadRequest, validation_error
+from omniinfer.kv_events import parse_kv_events_config
 
 logger = logging.getLogger("omniinfer.emulator")
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST
@@ -60,6 +62,7 @@ class WorkerServer:
         bootstrap_port: int = 8998,
         time_scale: float = 1.0,
         incremental_streaming_output: bool = False,
+        kv_events_config: str | None = None,
     ) -> None:
         self.profile = profile
         self.port = port
@@ -76,6 +79,10 @@ class WorkerServer:
         self.bootstrapping = 0  # decode mode: requests polling their prefill
         self._client: aiohttp.ClientSession | None = None
         self._runners: list[web.AppRunner] = []
+        # SGLang's --kv-events-config (raw JSON, as /server_info reports it); ValueError if bad
+        self.kv_events_raw = kv_events_config
+        self.kv_events = parse_kv_events_config(kv_events_config) if kv_events_config else None
+        self.kv_publisher: ZmqKvEventPublisher | None = None
 
     # -- app ----------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -108,12 +115,19 @@ class WorkerServer:
         return app
 
     async def _on_startup(self, _app: web.Application) -> None:
+        if self.kv_events is not None and self.kv_events.enabled:
+            self.kv_publisher = ZmqKvEventPublisher(self.kv_events)
+            self.kv_publisher.start()
+            if self.engine.tree is not None:
+                self.engine.tree.attach_events(self.kv_publisher.recorder)
         self.engine.start()
         if self.mode == "decode":
             self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
 
     async def _on_cleanup(self, _app: web.Application) -> None:
         await self.engine.stop()
+        if self.kv_publisher is not None:
+            await self.kv_publisher.close()
         if self._client is not None:
             await self._client.close()
 
@@ -429,6 +443,7 @@ class WorkerServer:
             "launch_command": f"omniinfer emulate-worker --profile {self.profile.name} --port {self.port} "
                               f"--disaggregation-mode {self.mode} --time-scale {self.time_scale}",
             "emulated": True, "emulator_profile": self.profile.name, "emulator_time_scale": self.time_scale,
+            "kv_events_config": self.kv_events_raw, "kv_events": server_info_block(self.kv_events),
         })
         return template
 
@@ -467,7 +482,8 @@ class WorkerServer:
             "cache_hit_rate": e.cache_hit_rate(),
             "utilization": round((len(e.running) + len(e.waiting)) / self.profile.capacity.max_running_requests, 4),
             "total_prefill_uncached_tokens": e.stats.prompt_tokens_total - e.stats.cached_tokens_total,
-            "total_prefill_busy_us": int(e.stats.prefill_busy_s * 1e6),
+            # Wall time, as a real worker reports it (the engine counts model time).
+            "total_prefill_busy_us": int(e.stats.prefill_busy_s * self.time_scale * 1e6),
             "decode_moments": [0.0] * 6,
             "memory": {"weight_gb": 0.0, "kv_cache_gb": 0.0, "graph_gb": 0.0, "token_capacity": e.capacity},
             "disaggregation": {

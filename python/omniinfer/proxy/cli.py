@@ -33,6 +33,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per worker kept in the prefix index")
     r.add_argument("--apc-block-size", type=int, default=D.apc_block_size,
                    help="tokens per hashed prefix block")
+    r.add_argument("--cache-truth", default=D.cache_truth, choices=["router", "kv-events"],
+                   help="what fills the prefix index: 'router' (what it routed, LRU) or "
+                   "'kv-events' (what each worker reports storing and evicting, over ZMQ; "
+                   "workers need SGLang's --kv-events-config)")
+    r.add_argument("--kv-events-endpoint", dest="kv_events_endpoints", action="append",
+                   default=[], metavar="URL=tcp://HOST:PORT",
+                   help="a worker's KV-event publisher, if not the one its /server_info names "
+                   "(repeat per worker; repeat a worker for its DP ranks, in order)")
     r.add_argument("--model-path", default=None, help="served model (its tokenizer is used)")
     r.add_argument("--tokenizer-path", default=None, help="tokenizer, if not the model's")
     r.add_argument("--default-max-new-tokens", type=int, default=D.default_max_new_tokens,

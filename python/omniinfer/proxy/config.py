@@ -26,6 +26,8 @@ class RouterConfig:
     balance_rel_threshold: float = 1.1
     max_tree_size: int = 1 << 24  # tokens per worker in the prefix index
     apc_block_size: int = 16
+    cache_truth: str = "router"  # "router": own index, filled on route; "kv-events": workers' events
+    kv_events_endpoints: list[str] = dataclasses.field(default_factory=list)  # URL=tcp://H:P
     model_path: str | None = None
     tokenizer_path: str | None = None
     max_payload_size: int = 256 * 1024 * 1024
@@ -81,6 +83,14 @@ class RouterConfig:
             raise ValueError("--apc-block-size must be positive")
         if self.balance_rel_threshold < 1.0:
             raise ValueError("--balance-rel-threshold must be >= 1")
+        if self.cache_truth not in ("router", "kv-events"):
+            raise ValueError("--cache-truth must be 'router' or 'kv-events'")
+        if self.kv_events_endpoints:
+            if self.cache_truth != "kv-events":
+                raise ValueError("--kv-events-endpoint needs --cache-truth kv-events")
+            from omniinfer.proxy.kv_subscriber import parse_endpoint_overrides
+
+            parse_endpoint_overrides(self.kv_events_endpoints)
 
 
 def parse_prefill(entries: list[list[str]] | None) -> list[tuple[str, int | None]]:

@@ -21,6 +21,7 @@ from omniinfer.proxy.admission import Admission
 from omniinfer.proxy.base import Policy, PolicyContext, RouteRequest, create_policy
 from omniinfer.proxy.circuit import CircuitBreaker
 from omniinfer.proxy.config import RouterConfig
+from omniinfer.proxy.kv_subscriber import CacheTruth, parse_endpoint_overrides
 from omniinfer.proxy.metrics import AccessLog, ProxyMetrics
 from omniinfer.proxy.prefix import PrefixIndex
 from omniinfer.proxy.tokenization import ApproxTokenizer, Tokenizer, load_tokenizer
@@ -43,6 +44,9 @@ class Router:
             self.pool.add(self.make_worker(url, Role.DECODE))
         blocks = max(1, config.max_tree_size // config.apc_block_size)
         self.indexes = {role: PrefixIndex(blocks) for role in Role}
+        self.cache_truth = CacheTruth(config.cache_truth, config.apc_block_size, self.indexes,
+                                      self.get_json,
+                                      parse_endpoint_overrides(config.kv_events_endpoints))
         self.policies: dict[Role, Policy] = {
             role: create_policy(config.policy_for(role.value),
                                 PolicyContext(config, self.indexes[role], role))
@@ -74,6 +78,9 @@ class Router:
         await self.check_health(initial=True)
         self.tokenizer = await self._find_tokenizer()
         log.info("tokenizer: %s", self.tokenizer.name)
+        await asyncio.gather(*(self.cache_truth.attach(w) for w in self.pool.all()))
+        for url in set(self.cache_truth.explicit) - {w.url for w in self.pool.all()}:
+            log.warning("--kv-events-endpoint names %s, which is no worker (yet)", url)
         if not self.config.disable_health_check:
             self._loops.append(asyncio.create_task(self._health_loop()))
         if self.config.loads_poll_interval_secs > 0:
@@ -109,6 +116,7 @@ class Router:
                 await task
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=2.0)
+        await self.cache_truth.close()
         if self.session is not None:
             await self.session.close()
         if self.access_log is not None:
@@ -126,7 +134,8 @@ class Router:
         worker.inflight_requests += 1
         worker.inflight_tokens += tokens
         worker.total_requests += 1
-        self.indexes[worker.role].insert(worker.url, route.block_hashes)
+        if not self.cache_truth.follows(worker):  # else the worker's KV events fill its index
+            self.indexes[worker.role].insert(worker.url, route.block_hashes)
         policy = self.policies[worker.role]
         policy.context.observe_request_tokens(tokens)
         policy.on_dispatch(route, worker)
@@ -190,9 +199,12 @@ class Router:
             if not worker.healthy and (initial or worker.health_successes >= c.health_success_threshold):
                 worker.healthy = True
                 worker.breaker.reset()
-                self.indexes[worker.role].clear(worker.url)  # a restarted worker has no cache
+                if not self.cache_truth.follows(worker):  # (events tell a restart themselves)
+                    self.indexes[worker.role].clear(worker.url)  # a restarted worker has no cache
                 if not initial:
                     log.warning("worker re-admitted: %s", worker.url)
+                    if self.cache_truth.enabled and not self.cache_truth.follows(worker):
+                        self.spawn(self.cache_truth.attach(worker))
         else:
             worker.health_successes = 0
             worker.health_failures += 1
@@ -262,6 +274,7 @@ class Router:
             raise ValueError(f"worker already registered: {worker.url}")
         self.pool.add(worker)
         self.policies[role].on_workers_changed(self.pool.role(role))
+        await self.cache_truth.attach(worker)
         return worker
 
     def remove_worker(self, url: str) -> Worker:
@@ -269,6 +282,7 @@ class Router:
         if worker is None:
             raise KeyError(url)
         self.pool.remove(worker.url)
+        self.cache_truth.detach(worker)
         self.indexes[worker.role].clear(worker.url)
         self.policies[worker.role].on_workers_changed(self.pool.role(worker.role))
         return worker
@@ -290,6 +304,7 @@ class Router:
         for worker, status in zip(workers, results, strict=True):
             if status == 200:
                 self.indexes[worker.role].clear(worker.url)
+                self.cache_truth.forget(worker)
         return {w.url: s for w, s in zip(workers, results, strict=True)}
 
     def ready(self) -> bool:
@@ -302,6 +317,9 @@ class Router:
             "policies": {role.value: p.name for role, p in self.policies.items()},
             "tokenizer": self.tokenizer.name,
             "apc_block_size": self.config.apc_block_size,
+            "cache_truth": self.cache_truth.describe(),
+            "cache_prediction": {label: tally.as_dict()
+                                 for label, tally in self.metrics.predictions.items()},
             "admission": {"active": self.admission.active, "queued": self.admission.queued,
                           "max_concurrent": self.config.max_concurrent_requests,
                           "queue_size": self.config.queue_size},

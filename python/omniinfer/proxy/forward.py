@@ -21,6 +21,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from omniinfer.proxy.accuracy import reported_cached_tokens, reported_from_stream
 from omniinfer.proxy.admission import Rejected
 from omniinfer.proxy.base import Decision, RouteRequest
 from omniinfer.proxy.core import JSON_HEADERS, Router
@@ -306,8 +307,20 @@ async def _pipe(router: Router, request: web.Request, ex: Exchange, resp: aiohtt
         await out.write_eof()
     finally:
         resp.close()
+    ex.tail = tail
     _count_output(ex, tail)
     return out
+
+
+def _note_prediction(router: Router, ex: Exchange, worker: Worker, reported: int | None) -> None:
+    """Predicted vs reported cached tokens of the worker that served a single prompt."""
+    if ex.batch != 1:
+        return  # the prediction is for the first prompt of a batch only
+    predicted = ex.route.cached_tokens(worker)
+    if reported is not None:
+        ex.record["reported_cached_tokens"] = reported
+    ex.record["cache_prediction"] = router.metrics.observe_prediction(
+        router.cache_truth.label(worker), predicted, reported, ex.route.block_size)
 
 
 # ---- regular mode ---------------------------------------------------------------------------
@@ -332,11 +345,13 @@ async def _regular(router: Router, request: web.Request, ex: Exchange) -> web.St
             if ex.stream:
                 first = await _first_chunk(resp, worker)
                 out = await _pipe(router, request, ex, resp, first, worker)
+                _note_prediction(router, ex, worker, reported_from_stream(first, ex.tail))
             else:
                 data = await _read_all(resp, worker)
                 worker.breaker.record_success()
                 _count_output(ex, data)
                 out = web.Response(body=data, content_type=resp.content_type or "application/json")
+                _note_prediction(router, ex, worker, reported_cached_tokens(data))
             ok = True
             return out
         except Passthrough as p:
@@ -372,35 +387,9 @@ async def _prefill(router: Router, ex: Exchange, worker: Worker, path: str, payl
     now = time.perf_counter()
     ex.life.enter(Phase.DECODE_WAITING, now)
     worker.breaker.record_success()
-    reported = _reported_cached(data)
-    if reported is not None:  # what the worker says it reused, beside what we predicted
-        ex.record["reported_cached_tokens"] = reported
+    _note_prediction(router, ex, worker, reported_cached_tokens(data))
     router.policies[Role.PREFILL].on_prefill_done(ex.route, worker, now - posted)
     return 200, data
-
-
-def _reported_cached(data: bytes) -> int | None:
-    """meta_info.cached_tokens (or usage's) of a prefill answer, JSON or the last SSE event."""
-    try:
-        if data.lstrip().startswith(b"data:"):
-            events = [line[5:].strip() for line in data.split(b"\n") if line.startswith(b"data:")]
-            events = [e for e in events if e and e != b"[DONE]"]
-            obj = orjson.loads(events[-1]) if events else None
-        else:
-            obj = orjson.loads(data)
-    except (orjson.JSONDecodeError, ValueError):
-        return None
-    obj = obj[0] if isinstance(obj, list) and obj else obj
-    if not isinstance(obj, dict):
-        return None
-    meta = obj.get("meta_info")
-    if isinstance(meta, dict) and isinstance(meta.get("cached_tokens"), int):
-        return int(meta["cached_tokens"])
-    details = (obj.get("usage") or {}).get("prompt_tokens_details") if isinstance(
-        obj.get("usage"), dict) else None
-    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-        return int(details["cached_tokens"])
-    return None
 
 
 def _release_prefill(router: Router, ex: Exchange, worker: Worker, cost: int,

@@ -18,6 +18,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from omniinfer.proxy.accuracy import Tally
 from omniinfer.proxy.lifecycle import PHASE_NAMES, Lifecycle
 from omniinfer.proxy.workers import WorkerPool
 
@@ -87,6 +88,23 @@ class ProxyMetrics:
                                       registry=r)
         self.admission_queued = Gauge("omniproxy_admission_queued", "requests waiting for a slot",
                                       registry=r)
+        # predicted vs reported cached tokens, by what filled the chosen worker's index
+        self.cache_prediction = Counter(
+            "omniproxy_cache_prediction", "predicted cached tokens vs the worker's report: exact "
+            "(to whole blocks), over or under", ["cache_truth", "outcome"], registry=r)
+        self.cache_prediction_unreported = Counter(
+            "omniproxy_cache_prediction_unreported", "answers that reported no cached tokens",
+            ["cache_truth"], registry=r)
+        self.cache_prediction_error = Counter(
+            "omniproxy_cache_prediction_error_tokens", "sum of |predicted - reported| cached tokens",
+            ["cache_truth"], registry=r)
+        self.cache_predicted_tokens = Counter(
+            "omniproxy_cache_predicted_tokens", "sum of predicted cached tokens (reported answers)",
+            ["cache_truth"], registry=r)
+        self.cache_reported_tokens = Counter(
+            "omniproxy_cache_reported_tokens", "sum of cached tokens the workers reported",
+            ["cache_truth"], registry=r)
+        self.predictions: dict[str, Tally] = {}
         r.register(WorkerCollector(pool))
 
     def observe(self, endpoint: str, status: int, life: Lifecycle) -> None:
@@ -101,6 +119,19 @@ class ProxyMetrics:
                 self.e2e.observe(e2e)
             if tpot is not None:
                 self.tpot.observe(tpot)
+
+    def observe_prediction(self, truth: str, predicted: int, reported: int | None,
+                           block_size: int = 1) -> str:
+        """One routed request's predicted cached tokens against the worker's answer."""
+        result = self.predictions.setdefault(truth, Tally()).add(predicted, reported, block_size)
+        if reported is None:
+            self.cache_prediction_unreported.labels(truth).inc()
+            return result
+        self.cache_prediction.labels(truth, result).inc()
+        self.cache_prediction_error.labels(truth).inc(abs(predicted - reported))
+        self.cache_predicted_tokens.labels(truth).inc(predicted)
+        self.cache_reported_tokens.labels(truth).inc(reported)
+        return result
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

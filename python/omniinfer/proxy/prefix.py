@@ -3,7 +3,9 @@
 The hash of block i covers block i *and* everything before it, so one hash names a whole prefix
 path — a set of such hashes per worker is an approximate radix tree of what that worker has
 cached. Only full blocks are hashed (a partial tail block is never reused by a paged cache).
-Each worker's set is an LRU bounded in blocks, standing in for the worker's own eviction.
+Each worker's set is an LRU bounded in blocks, standing in for the worker's own eviction —
+unless the worker's KV events drive it (``cache_truth.py``), which insert and remove exactly
+what the worker stores and evicts.
 """
 
 from __future__ import annotations
@@ -11,7 +13,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-_SEED = 0x9E3779B97F4A7C15
+ROOT_HASH = 0x9E3779B97F4A7C15  # the chain's start: the "hash" of the empty prefix
+
+
+def chain_hash(previous: int, block: Sequence[int]) -> int:
+    """The hash of the prefix ending with ``block``, given the hash of the prefix before it."""
+    return hash((previous, tuple(block)))
 
 
 def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
@@ -19,9 +26,9 @@ def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     hashes: list[int] = []
-    previous = _SEED
+    previous = ROOT_HASH
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        previous = hash((previous, tuple(tokens[start:start + block_size])))
+        previous = chain_hash(previous, tokens[start:start + block_size])
         hashes.append(previous)
     return hashes
 
@@ -67,6 +74,20 @@ class PrefixIndex:
         while len(blocks) > self.max_blocks:
             old, _ = blocks.popitem(last=False)
             self._disown(old, key)
+
+    def remove(self, key: str, hashes: Sequence[int]) -> None:
+        """``key`` no longer holds these blocks (the worker evicted them)."""
+        blocks = self._blocks.get(key)
+        if not blocks:
+            return
+        for h in hashes:
+            if h in blocks:
+                del blocks[h]
+                self._disown(h, key)
+
+    def holds(self, key: str, h: int) -> bool:
+        blocks = self._blocks.get(key)
+        return blocks is not None and h in blocks
 
     def size(self, key: str) -> int:
         blocks = self._blocks.get(key)
