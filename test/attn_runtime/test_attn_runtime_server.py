@@ -182,3 +182,22 @@ def test_status_reports_pools_freed_slots_and_no_leak(server: Any, pattern: tupl
     assert pools["compressed"]["tokens"] < pools["full"]["tokens"]
     assert status["tokens_freed"] > 0
     assert status["compressed_keys_read"] < status["compressed_keys_full_attention"]
+
+
+def test_prefill_frees_out_of_window_prompt_slots_before_the_first_decode(
+    server: Any, tokens: list[int]
+) -> None:
+    from omniinfer.attn import runtime_window as rw
+
+    before = attn_status(server.base_url)["tokens_freed"]
+    # Two new tokens: one decode step, whose own eviction waits for the second decode step, so
+    # only the after-prefill free can have released the prompt's out-of-window slots.
+    reply = generate(server.base_url, tokens[5000:5400], 2)
+    assert reply["meta_info"]["completion_tokens"] == 2
+    lo, hi = rw.freeable_range(pre_len=400, sink=SINK, recent=RECENT, cursor=0, interval=1)
+    deadline = time.monotonic() + 30
+    freed = attn_status(server.base_url)["tokens_freed"] - before
+    while freed < hi - lo and time.monotonic() < deadline:
+        time.sleep(0.5)
+        freed = attn_status(server.base_url)["tokens_freed"] - before
+    assert freed == hi - lo

@@ -53,6 +53,7 @@ MAYBE_EVICT_SWA = "sglang.srt.managers.schedule_batch.ScheduleBatch.maybe_evict_
 SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
 EVICTION_INTERVAL_ENV = "SGLANG_SWA_EVICTION_INTERVAL"
 SCHEDULER_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
+PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 
 
 # ---------------------------------------------------------------- launcher side
@@ -198,6 +199,30 @@ def _around_sizes_from_max_tokens(original: Callable[..., Any], configurator: An
     return config
 
 
+def _free_after_prefill(_result: Any, scheduler: Any, batch: Any, *_a: Any, **_k: Any) -> None:
+    """Free the compressed layers' out-of-window prompt slots as soon as the prefill is done.
+
+    SGLang frees them at a request's second decode step at the earliest, so a burst of long
+    prompts holds whole prompts in the compressed pool while the next prefills are admitted;
+    freeing here leaves each finished prefill holding only ``sink + window`` slots. Safe with
+    the overlap scheduler too: the batch launched meanwhile is a decode that reads the window.
+    """
+    if batch is None or not batch.forward_mode.is_extend() or batch.is_dllm():
+        return
+    cache = getattr(scheduler, "tree_cache", None)
+    if cache is None or not cache.supports_swa() or scheduler.disaggregation_mode.value == "prefill":
+        return
+    allocator = scheduler.token_to_kv_pool_allocator
+    allocator.free_group_begin()
+    try:
+        for req in batch.reqs:
+            if req.finished() or req.inflight_middle_chunks > 0 or not req.kv.holds_kv:
+                continue
+            cache.evict_sliding_windows(req, req.seqlen - 1)  # the prompt's KV is written
+    finally:
+        allocator.free_group_end()
+
+
 def _refresh_status(_result: Any, _batch: Any, *_a: Any, **_k: Any) -> None:
     if _State.status is not None:
         _State.status.maybe_write()
@@ -237,6 +262,7 @@ def register(config: OmniConfig) -> None:
              HookType.AROUND)
             for c in POOL_CONFIGURATORS
         ],
+        (PROCESS_BATCH_RESULT, _free_after_prefill, HookType.AFTER),
         (MAYBE_EVICT_SWA, _refresh_status, HookType.AFTER),
         (SCHEDULER_IDLE, _refresh_status, HookType.AFTER),
         (SCHEDULER_INIT, _after_scheduler_init, HookType.AFTER),
