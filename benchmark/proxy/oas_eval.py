@@ -221,6 +221,10 @@ def main() -> int:
                    "emulators' KV events (kv-events), or run our policies in both modes")
     p.add_argument("--ablation-concurrency", type=int, default=None,
                    help="paper concurrency of the ablation runs (default: the sweep's third)")
+    p.add_argument("--ablations-everywhere", action="store_true",
+                   help="run the ablations at every paper concurrency, not only at one")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="router and emulator logs (default: OUTPUT_DIR/logs)")
     p.add_argument("--output-dir", type=Path,
                    default=HERE.parent / "results" / "proxy")
     p.add_argument("--docs", type=Path, default=None,
@@ -238,8 +242,8 @@ def main() -> int:
     args.mooncake_requests = args.mooncake_requests or (60 if quick else 160)
     out_dir: Path = args.output_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    log_dir = out_dir / "logs"
-    log_dir.mkdir(exist_ok=True)
+    log_dir = args.log_dir or out_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
     truths = ("router", "kv-events") if args.cache_truth == "both" else (args.cache_truth,)
     rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
@@ -256,8 +260,8 @@ def main() -> int:
                 for target in targets(name == "4P1D" and not args.no_ablations, truths):
                     if args.only and target.name not in args.only.split(","):
                         continue
-                    if target.policy in ABLATIONS and wl["concurrency"] not in (
-                            0, args.ablation_concurrency):
+                    if (target.policy in ABLATIONS and not args.ablations_everywhere
+                            and wl["concurrency"] not in (0, args.ablation_concurrency)):
                         continue
                     try:
                         done = run_target(target, cluster, [wl], args, log_dir)

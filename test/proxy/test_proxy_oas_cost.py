@@ -6,7 +6,18 @@ import random
 
 import pytest
 
-from omniinfer.proxy.oas_cost import BatchTimeModel, InstanceClock, TransferModel, predicted_ttft
+from omniinfer.proxy.base import PolicyContext
+from omniinfer.proxy.config import RouterConfig
+from omniinfer.proxy.oas_cost import (
+    MIN_SEED_TOKENS,
+    BatchTimeModel,
+    InstanceClock,
+    TransferModel,
+    predicted_ttft,
+)
+from omniinfer.proxy.policies.oas import OASJitOnly, OASPolicy
+from omniinfer.proxy.prefix import PrefixIndex
+from omniinfer.proxy.workers import Role
 
 
 def truth(tokens: list[int]) -> float:
@@ -27,11 +38,11 @@ def test_model_learns_batch_time_from_measurements() -> None:
 
 def test_model_seed_only_before_measurements_and_never_negative() -> None:
     model = BatchTimeModel()
-    model.seed_per_token(50e-6)
+    model.seed_per_token(50e-6 * MIN_SEED_TOKENS, MIN_SEED_TOKENS)
     assert model.per_token() == pytest.approx(50e-6)
     assert model.predict([]) == 0.0
     model.update([1000], 0.02)
-    model.seed_per_token(1.0)  # ignored: a measurement exists
+    model.seed_per_token(1.0 * MIN_SEED_TOKENS, MIN_SEED_TOKENS)  # ignored: a measurement exists
     assert model.per_token() < 1e-3
     model.update([1], -5.0)  # a nonsense duration is ignored
     assert model.samples == 1
@@ -79,3 +90,49 @@ def test_predicted_ttft_counts_only_uncached_tokens_and_transfer() -> None:
     assert predicted_ttft(idle, 200, 4000, 0.0, transfer, use_cache=False) == pytest.approx(cold)
     assert predicted_ttft(busy, 200, 4000, 0.0, transfer) > warm  # the queue counts
     assert cold - idle.model.predict([4000]) == pytest.approx(0.001 + 4000e-6)
+
+
+def test_seed_ignores_a_report_torn_mid_pass() -> None:
+    """The measured case: a 3-token warm-up pass done (10.6 ms) and a 2,810-token prompt admitted
+    but not yet timed read as 3.8 µs per token; seeding from it made one instance look
+    10-15× faster than its peers. Such small totals must leave the prior alone."""
+    model = BatchTimeModel()
+    prior = model.per_token()
+    model.seed_per_token(0.0106, 2813)
+    assert model.per_token() == pytest.approx(prior)
+    model.seed_per_token(55e-6 * 4 * MIN_SEED_TOKENS, 4 * MIN_SEED_TOKENS)  # many batches: trusted
+    assert model.per_token() == pytest.approx(55e-6)
+
+
+def test_report_credit_is_one_batch_and_is_used_up_by_sends() -> None:
+    clock = InstanceClock("w")
+    assert not clock.starved()
+    clock.on_report(0, default_batch_tokens=8192)  # nothing measured yet: the default batch
+    assert clock.starved() and clock.credit_tokens == 8192
+    clock.on_sent("a", 5000, 0.0)
+    assert clock.starved()  # 3,192 tokens of the batch are still free
+    clock.on_sent("b", 5000, 0.0)
+    assert not clock.starved()
+    clock.on_report(0)  # reported empty again: measured batches set the credit now
+    clock.batch_tokens = 6000.0
+    clock.on_report(0)
+    assert clock.credit_tokens == 6000.0
+    clock.on_report(3)  # something is waiting there: no credit
+    assert not clock.starved()
+
+
+def test_oas_policy_counts_an_instance_short_of_work_until_two_batches_are_out() -> None:
+    """The policy's work-conservation test: model-free (tokens out), or the worker's report."""
+    policy = OASPolicy(PolicyContext(RouterConfig(), PrefixIndex(), Role.PREFILL))
+    jit_only = OASJitOnly(PolicyContext(RouterConfig(), PrefixIndex(), Role.PREFILL))
+    clock = InstanceClock("w")
+    clock.model.seed_per_token(1.0 * MIN_SEED_TOKENS, MIN_SEED_TOKENS)  # a model: 1 s per token
+    clock.on_sent("a", 8000, 0.0)
+    assert clock.queue_seconds(0.0) > 1000  # the prediction alone would hold everything
+    assert policy.queue.is_open(clock, 0.0) and not jit_only.queue.is_open(clock, 0.0)
+    clock.on_sent("b", 8400, 0.0)  # two batches (2 × 8,192 tokens) are out now
+    assert not policy.queue.is_open(clock, 0.0)
+    clock.on_report(0)  # ... but the worker says nothing is waiting: one batch of credit
+    assert policy.queue.is_open(clock, 0.0)
+    clock.on_report(2)
+    assert not policy.queue.is_open(clock, 0.0)

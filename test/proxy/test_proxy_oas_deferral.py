@@ -10,6 +10,7 @@ import pytest
 from omniinfer.proxy.deferral import (
     DeferralOptions,
     DeferredQueue,
+    Release,
     Waiting,
     get_order,
     upstream_weights,
@@ -146,3 +147,80 @@ def test_gate_among_open_only_skips_overloaded_instances() -> None:
     free.backlog = 9.0
     q.push(item("y", 0.1, 0.0))
     assert q.pump(100.0, [full, free]) == []  # upstream: held while every instance is overloaded
+
+
+def test_starved_instance_gets_work_although_its_prediction_says_busy() -> None:
+    """Work conservation: the old rule (prediction only) holds the request while the instance
+    reports nothing waiting; the new one releases it there, as ``starved``."""
+    wrong = FakeInstance("w", backlog=5.0, cycle=0.1)  # the model thinks 5 s of work is queued
+    jit_only = DeferredQueue(get_order("short_old_first"), ttft)
+    jit_only.push(item("a", 0.05, 0.0))
+    assert jit_only.pump(0.1, [wrong]) == []
+    reported = {"w"}
+    q = DeferredQueue(get_order("short_old_first"), ttft,
+                      starved=lambda inst, now: inst.key in reported)
+    q.push(item("a", 0.05, 0.0))
+    out = q.pump(0.1, [wrong])
+    assert [(r.item.key, r.instance.key, r.reason) for r in out] == [("a", "w", "starved")]
+    reported.clear()  # the credit is used up: the next one waits for the prediction again
+    q.push(item("b", 0.05, 0.1))
+    assert q.pump(0.2, [wrong]) == [] and "b" in q.items
+
+
+def test_starved_instance_takes_requests_whose_best_instance_is_busy_only() -> None:
+    """A request whose best instance is open goes there; one whose best is busy goes to the
+    starved instance rather than wait (the best of the starved ones)."""
+    best_open, busy = FakeInstance("best_open"), FakeInstance("busy", backlog=5.0)
+    starved = FakeInstance("starved", backlog=5.0)  # the prediction says busy too
+    prefer = {"a": "best_open", "b": "busy"}
+
+    def cost(w: Waiting, inst: FakeInstance, now: float) -> float:
+        return 0.0 if inst.key == prefer[w.key] else (1.0 if inst.key == "starved" else 2.0)
+
+    q = DeferredQueue(get_order("fifo"), cost, starved=lambda inst, now: inst is starved)
+    q.push(item("a", 0.05, 0.0))
+    q.push(item("b", 0.05, 0.1))
+    out = q.pump(0.2, [best_open, busy, starved])
+    assert [(r.item.key, r.instance.key, r.reason) for r in out] == [
+        ("a", "best_open", "open"), ("b", "starved", "starved")]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bound_and_starvation_freedom_hold_with_work_conservation(seed: int) -> None:
+    """Instances are randomly reported starved (at most one release each per report) and
+    otherwise always busy: every request still leaves within one cycle plus the bound."""
+    rng = random.Random(seed)
+    insts = [FakeInstance("a", backlog=10.0, cycle=0.2), FakeInstance("b", backlog=10.0, cycle=0.3)]
+    credit: dict[str, int] = {}
+    q = DeferredQueue(get_order("short_old_first"), ttft, DeferralOptions(bound_cycles=3.0), rng,
+                      starved=lambda inst, now: credit.get(inst.key, 0) > 0)
+    bound = q.max_hold(insts)
+
+    def take(release: Release) -> None:
+        credit[release.instance.key] = max(0, credit.get(release.instance.key, 0) - 1)
+
+    now, arrivals, held, reasons = 0.0, {}, [], set()
+    for i in range(300):
+        arrival = now + rng.expovariate(20.0)
+        wake = q.next_wakeup(now, insts)
+        while wake is not None and wake <= arrival:  # the timer fires before the next arrival
+            out = q.pump(wake, insts, take)
+            held += [wake - arrivals[r.item.key] for r in out]
+            reasons |= {r.reason for r in out}
+            now = wake
+            wake = q.next_wakeup(now, insts)
+        now = arrival
+        if rng.random() < 0.1:  # a loads report: nothing waiting there
+            credit[rng.choice("ab")] = 1
+        key = f"r{i}"
+        q.push(item(key, rng.choice([0.001, 0.5]), now))
+        arrivals[key] = now
+        out = q.pump(now, insts, take)
+        held += [now - arrivals[r.item.key] for r in out]
+        reasons |= {r.reason for r in out}
+    while len(q):
+        now = q.next_wakeup(now, insts)
+        out = q.pump(now, insts, take)
+        held += [now - arrivals[r.item.key] for r in out]
+    assert len(held) == 300 and {"starved", "overdue"} <= reasons
+    assert max(held) <= bound + 1e-9

@@ -9,6 +9,12 @@ that moment, and late arrivals can overtake. A request whose best instance is bu
 walk goes on (a short request can pass a long one). No starvation: a request that has waited one
 predicted batch cycle plus ``bound_cycles`` cycles is released at once to its best instance.
 
+Work conservation: the prediction may be wrong, and a wrong "busy" would leave an instance
+without work while requests wait here. An optional ``starved`` test says an instance is short of
+work whatever its prediction (e.g. it reports nothing waiting, or less than two batches were sent
+to it and are not back); such an instance is open, and a request whose best instance is busy goes
+to the best of the starved instances instead of waiting. These releases count as ``starved``.
+
 Nothing here does I/O or reads a clock; the caller passes ``now`` and acts on what ``pump``
 returns.
 """
@@ -105,7 +111,7 @@ class DeferralOptions:
 class Release:
     item: Waiting
     instance: Instance
-    reason: str  # "open", "idle" or "overdue"
+    reason: str  # "open", "idle", "starved" or "overdue"
     estimate: Any
 
 
@@ -121,11 +127,12 @@ class DeferredQueue:
     def __init__(self, order: Order, estimate: Estimate,
                  options: DeferralOptions = DeferralOptions(),
                  rng: random.Random | None = None, gate: Gate | None = None,
-                 choose_among_open: bool = False) -> None:
+                 choose_among_open: bool = False, starved: Gate | None = None) -> None:
         self.order = order
         self.estimate = estimate
         self.options = options
         self.rng = rng or random.Random()
+        self.starved = starved
         self.gate: Gate = gate or self.is_open
         self.choose_among_open = choose_among_open
         self.items: dict[str, Waiting] = {}
@@ -153,8 +160,14 @@ class DeferredQueue:
         o = self.options
         return o.lead_fraction * max(o.min_cycle, instance.cycle_seconds(o.default_cycle))
 
-    def is_open(self, instance: Instance, now: float) -> bool:
+    def is_due(self, instance: Instance, now: float) -> bool:
+        """The just-in-time rule alone: idle, or the predicted backlog within one lead."""
         return instance.is_idle() or instance.queue_seconds(now) <= self.lead(instance)
+
+    def is_open(self, instance: Instance, now: float) -> bool:
+        """Due by the prediction, or reported starved (work conservation)."""
+        return self.is_due(instance, now) or (
+            self.starved is not None and self.starved(instance, now))
 
     # ---- the release rule -------------------------------------------------------------------
     def best(self, item: Waiting, instances: Sequence[Instance], now: float
@@ -187,15 +200,38 @@ class DeferredQueue:
             found = self.best(item, instances, now)
             if found is not None:
                 out.append(self._release(item, found[0], "overdue", found[1], on_release))
+        # an instance's gate changes only when it is given work, so it is evaluated once per
+        # instance and again after each release there (the walk is O(queue × instances))
+        is_open = {id(i): self.gate(i, now) for i in instances}
+        is_starved = {id(i): self._is_starved(i, now) for i in instances}
         for item in rest:
-            open_now = [i for i in instances if self.gate(i, now)]
+            open_now = [i for i in instances if is_open[id(i)]]
             if not open_now:
                 break
             found = self.best(item, open_now if self.choose_among_open else instances, now)
-            if found is not None and (self.choose_among_open or self.gate(found[0], now)):
-                reason = "idle" if found[0].is_idle() else "open"
+            reason = None if found is None else self._reason(found[0], now, is_open[id(found[0])])
+            if reason is None:  # its best instance is busy: an instance short of work takes it
+                starved = [i for i in instances if is_starved[id(i)]]
+                found = self.best(item, starved, now) if starved else None
+                reason = None if found is None else "starved"
+            if found is not None and reason is not None:
                 out.append(self._release(item, found[0], reason, found[1], on_release))
+                is_open[id(found[0])] = self.gate(found[0], now)
+                is_starved[id(found[0])] = self._is_starved(found[0], now)
         return out
+
+    def _is_starved(self, inst: Instance, now: float) -> bool:
+        return self.starved is not None and self.starved(inst, now)
+
+    def _reason(self, inst: Instance, now: float, is_open: bool) -> str | None:
+        """Why ``inst`` may take work now (None: it may not)."""
+        if self.choose_among_open:
+            return "idle" if inst.is_idle() else "open"
+        if inst.is_idle():
+            return "idle"
+        if self.is_due(inst, now) and is_open:
+            return "open"
+        return "starved" if self._is_starved(inst, now) else None
 
     def _release(self, item: Waiting, inst: Instance, reason: str, estimate: Any,
                   on_release: Callable[[Release], None] | None) -> Release:

@@ -6,7 +6,15 @@ least squares with forgetting, starting from a prior (seeded from the worker's /
 cumulative busy time per uncached token when one is reported). Batches are found the way the
 upstream proxy finds them, from response timing: prefill completions close together belong to
 one batch; a batch started when the previous one ended, or when its first request was sent if
-the instance was idle.
+the instance was idle. The /v1/loads seed needs counters that cover many batches: the worker
+counts a request's tokens when it is admitted and its busy time when the pass ends, so one early
+report (the router's 3-token warm-up done, a 2.8K-token prompt admitted) read 3.8 µs per token
+against the 34-67 µs its peers measured, and that instance, predicted 10-15× too fast, was
+sent 49 of the first 81 requests, which then waited up to 9 s in its FCFS queue.
+
+The instance's own report (/v1/loads: nothing waiting) grants a *credit* of one batch of tokens
+that may be sent regardless of the predicted queue, so a wrong model cannot leave an instance
+without work while requests wait in the proxy (see ``deferral``).
 
 Predicted TTFT of a request on an instance = the time until the instance has worked off what is
 already sent to it (queue) + the batch time of the request's *uncached* tokens + the KV
@@ -24,6 +32,7 @@ import numpy as np
 
 TOKEN_UNIT = 1000.0  # features in thousands of tokens keep the least squares well conditioned
 SQUARE_UNIT = 1e6
+MIN_SEED_TOKENS = 8 * 16384  # eight full batches (SGLang's default max_prefill_tokens)
 
 
 def features(tokens: Sequence[int]) -> np.ndarray:
@@ -46,15 +55,24 @@ class BatchTimeModel:
     forgetting: float = 0.99
     prior_variance: tuple[float, float, float, float] = (1e-4, 1e-6, 1e-2, 1e-3)
     samples: int = 0
+    version: int = 0  # changes whenever theta does (for callers that cache predictions)
 
     def __post_init__(self) -> None:
         self.theta = np.asarray(self.theta, dtype=float).copy()
         self.cov = np.diag(np.asarray(self.prior_variance, dtype=float))
 
-    def seed_per_token(self, seconds_per_token: float) -> None:
-        """Set the per-token coefficient from a reported average (before any measurement)."""
-        if self.samples == 0 and seconds_per_token > 0 and math.isfinite(seconds_per_token):
+    def seed_per_token(self, busy_seconds: float, tokens: int) -> None:
+        """Set the per-token coefficient from reported totals (before any measurement).
+
+        Only totals over ``MIN_SEED_TOKENS`` count: a report taken while a pass runs includes
+        the tokens of that pass but not yet its time, an error that only many batches dilute.
+        """
+        if tokens < MIN_SEED_TOKENS or not busy_seconds > 0:
+            return
+        seconds_per_token = busy_seconds / tokens
+        if self.samples == 0 and math.isfinite(seconds_per_token):
             self.theta[2] = seconds_per_token * TOKEN_UNIT
+            self.version += 1
             self.cov[2, 2] = max(self.cov[2, 2], self.theta[2] ** 2)
 
     def predict(self, tokens: Sequence[int]) -> float:
@@ -73,6 +91,7 @@ class BatchTimeModel:
         self.cov = (self.cov - np.outer(gain, px)) / self.forgetting
         self.cov = (self.cov + self.cov.T) / 2.0  # keep it symmetric against rounding drift
         self.samples += 1
+        self.version += 1
 
     def per_token(self) -> float:
         """Marginal seconds per uncached token (at no attention cost)."""
@@ -120,18 +139,40 @@ class InstanceClock:
         self._open: Batch | None = None
         self.ring = ring
         self.by_size: dict[int, collections.deque[float]] = {}  # upstream's per-size ring
+        self.credit_tokens = 0.0  # may be sent despite the predicted queue (reported empty)
+        self._work: tuple[int, float] | None = None  # (model version, predicted s of all sent)
 
     # ---- bookkeeping ------------------------------------------------------------------------
     def on_sent(self, key: str, tokens: int, now: float) -> None:
         self.sent[key] = Sent(key, max(0, tokens), now)
+        self._work = None
         if self.busy_since is None:
             self.busy_since = now
+        self.credit_tokens = max(0.0, self.credit_tokens - max(1, tokens))
+
+    def on_report(self, waiting_requests: int, default_batch_tokens: float = 1.0) -> None:
+        """The worker's own queue as it reported it: nothing waiting grants one batch of credit.
+
+        Nothing waiting means the next batch would hold at most the chunk now running, whatever
+        the model predicts; the credit (the mean tokens per measured batch) fills that batch.
+        Anything waiting withdraws it. The report may predate our last sends, so the credit is
+        bounded by one batch per report.
+        """
+        if waiting_requests > 0:
+            self.credit_tokens = 0.0
+        else:
+            self.credit_tokens = max(self.batch_tokens or 0.0, default_batch_tokens, 1.0)
+
+    def starved(self) -> bool:
+        """Reported without waiting work and not yet refilled since (see ``on_report``)."""
+        return self.credit_tokens > 0
 
     def on_done(self, key: str, now: float) -> Batch | None:
         """A prefill finished; returns the batch it closed, if any (for tests and metrics)."""
         item = self.sent.pop(key, None)
         if item is None:
             return None
+        self._work = None
         closed = None
         gap = self.gap()
         if self._open is not None and now - self._open.end <= gap:
@@ -149,6 +190,7 @@ class InstanceClock:
 
     def on_failed(self, key: str) -> None:
         self.sent.pop(key, None)
+        self._work = None
         if not self.sent:
             self.busy_since = None
 
@@ -166,6 +208,7 @@ class InstanceClock:
         return batch
 
     def gap(self) -> float:
+        """Completions closer than this are one batch (at most a quarter of a cycle)."""
         return self.max_gap if self.cycle is None else min(self.max_gap, 0.25 * self.cycle)
 
     # ---- predictions ------------------------------------------------------------------------
@@ -187,7 +230,11 @@ class InstanceClock:
         """Predicted time until everything sent so far has finished prefill."""
         if not self.sent:
             return 0.0
-        work = self.model.predict([s.tokens for s in self.sent.values()])
+        if self._work is None or self._work[0] != self.model.version:
+            # asked once per waiting request and instance on every pump: predict once
+            self._work = (self.model.version,
+                          self.model.predict([s.tokens for s in self.sent.values()]))
+        work = self._work[1]
         started = self.busy_since if self.busy_since is not None else now
         return max(0.0, work - (now - started))
 
@@ -197,7 +244,8 @@ class InstanceClock:
     def describe(self) -> dict[str, float | int | None]:
         return {"sent": len(self.sent), "backlog_tokens": self.backlog_tokens(),
                 "cycle_s": self.cycle, "batch_tokens": self.batch_tokens,
-                "per_token_s": self.model.per_token(), "samples": self.model.samples}
+                "per_token_s": self.model.per_token(), "samples": self.model.samples,
+                "credit_tokens": self.credit_tokens}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Async glue shared by the deferring policies (``oas``, ``omni_default``, ``omni_earliest_batch``).
 
 Prefill role: ``schedule`` parks the request in a :class:`DeferredQueue` and awaits a future;
-the queue is pumped on every arrival, every finished prefill and at the next predicted batch
-boundary (one loop timer), and each release resolves a future with the chosen worker. Decode
+the queue is pumped on every arrival, every finished prefill, at the next predicted batch
+boundary (one loop timer) and, for policies that use it, on every /v1/loads report; each release
+resolves a future with the chosen worker. Decode
 role: requests that arrive in the same loop tick are ordered longest first (LPT) and each goes
 to the least-loaded decode worker below its running cap; beyond the cap they wait for a slot.
 Subclasses only say *how*: the queue order, the gate, the estimate, the options.
@@ -164,9 +165,8 @@ class DeferringPolicy(Policy):
 
     def on_loads(self, worker: Worker) -> None:
         loads = worker.loads
-        if loads.prefill_uncached_tokens > 0 and loads.prefill_busy_us > 0:
-            self.clock(worker).model.seed_per_token(
-                loads.prefill_busy_us / 1e6 / loads.prefill_uncached_tokens)
+        self.clock(worker).model.seed_per_token(loads.prefill_busy_us / 1e6,
+                                                loads.prefill_uncached_tokens)
 
     def on_workers_changed(self, workers: Sequence[Worker]) -> None:
         keep = {w.url for w in workers}
