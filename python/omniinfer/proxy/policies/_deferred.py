@@ -83,6 +83,16 @@ class DeferringPolicy(Policy):
         held: Held = item.payload
         return held.allowed.get(inst.key)
 
+    def placement(self, item: Waiting, inst: Instance
+                  ) -> tuple[RouteRequest, Worker, InstanceClock] | None:
+        """What an estimate reads: the held request, its worker on ``inst`` (None: not allowed
+        there) and that instance's clock."""
+        worker = self.allowed(item, inst)
+        if worker is None:
+            return None
+        assert isinstance(inst, InstanceClock)
+        return item.payload.request, worker, inst
+
     def pick(self, request: RouteRequest, workers: list[Worker]) -> Decision:
         """Synchronous fallback (no waiting): the worker the estimate prefers now."""
         item = self._waiting(request, workers, None)

@@ -83,12 +83,11 @@ class OASPolicy(DeferringPolicy):
         return self.clock(worker).model.predict([max(1, tokens)])
 
     def estimate(self, item: Waiting, inst: Instance, now: float) -> Any:
-        worker = self.allowed(item, inst)
-        if worker is None:
+        placed = self.placement(item, inst)
+        if placed is None:
             return None
-        request: RouteRequest = item.payload.request
-        assert isinstance(inst, InstanceClock)
-        return predicted_ttft(inst, request.uncached_tokens(worker), request.prompt_tokens, now,
+        request, worker, clock = placed
+        return predicted_ttft(clock, request.uncached_tokens(worker), request.prompt_tokens, now,
                               self.transfer, self.use_cache)
 
 

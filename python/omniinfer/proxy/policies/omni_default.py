@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
-from omniinfer.proxy.base import RouteRequest, register_policy
+from omniinfer.proxy.base import register_policy
 from omniinfer.proxy.deferral import DeferralOptions, DeferredQueue, Instance, Waiting, get_order
 from omniinfer.proxy.oas_cost import InstanceClock
 from omniinfer.proxy.policies._deferred import DeferringPolicy
@@ -41,22 +41,18 @@ class OmniDefaultPolicy(DeferringPolicy):
                              gate=not_overloaded, choose_among_open=True)
 
     def estimate(self, item: Waiting, inst: Instance, now: float) -> Any:
-        worker = self.allowed(item, inst)
-        if worker is None:
+        placed = self.placement(item, inst)
+        if placed is None:
             return None
-        request: RouteRequest = item.payload.request
-        assert isinstance(inst, InstanceClock)
-        return (-request.cached_tokens(worker), inst.backlog_tokens(), len(inst.sent))
+        request, worker, clock = placed
+        return (-request.cached_tokens(worker), clock.backlog_tokens(), len(clock.sent))
 
 
 @register_policy("omni_earliest_batch")
 class OmniEarliestBatchPolicy(OmniDefaultPolicy):
     def estimate(self, item: Waiting, inst: Instance, now: float) -> Any:
-        worker = self.allowed(item, inst)
-        if worker is None:
-            return None
-        assert isinstance(inst, InstanceClock)
-        return predicted_finish(inst, now)
+        placed = self.placement(item, inst)
+        return None if placed is None else predicted_finish(placed[2], now)
 
 
 def predicted_finish(inst: InstanceClock, now: float) -> float:
