@@ -203,6 +203,9 @@ def main() -> int:
     p.add_argument("--concurrency", default=None, help="4P1D sweep, comma list (paper workload)")
     p.add_argument("--small-concurrency", default=None, help="the other clusters' sweep")
     p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every (target, workload) this many times, interleaved; the report "
+                   "gives medians, spreads and per-repeat paired ratios")
     p.add_argument("--requests-per-client", type=int, default=2,
                    help="paper workload: requests = --num-requests + this × concurrency")
     p.add_argument("--output-scale", type=float, default=0.05,
@@ -256,7 +259,7 @@ def main() -> int:
         cluster = EmulatedCluster(n_p, n_d, args.profile, args.time_scale, log_dir / name,
                                   kv_events=args.cache_truth != "router")
         try:  # targets interleaved per workload, so a change in the box's load hits them all
-            for wl in workloads:
+            for repeat, wl in ((rep, wl) for rep in range(args.repeats) for wl in workloads):
                 for target in targets(name == "4P1D" and not args.no_ablations, truths):
                     if args.only and target.name not in args.only.split(","):
                         continue
@@ -271,6 +274,7 @@ def main() -> int:
                                  "concurrency": wl["concurrency"], "failed": str(exc)[:2000]}]
                     for row in done:
                         row["cluster"] = name
+                        row["repeat"] = repeat
                         rows.append(row)
                 (out_dir / "results.partial.json").write_text(json.dumps(rows))
         finally:

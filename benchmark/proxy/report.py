@@ -18,6 +18,80 @@ def _ok(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if "summary" in r]
 
 
+MEDIAN_KEYS = ("goodput_requests_per_minute", "requests_per_minute", "p99_ttft_ms",
+               "median_ttft_ms", "median_tpot_ms")
+
+
+def _key(r: dict[str, Any]) -> tuple[str, str, str, int]:
+    return r["cluster"], r["workload"], r["target"], r["concurrency"]
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(values)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def _sum_tallies(tallies: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Add up the routers' prediction counters (per cache truth) over repeats."""
+    out: dict[str, dict[str, float]] = {}
+    for tally in tallies:
+        for truth, counts in (tally or {}).items():
+            if isinstance(counts, dict):
+                slot = out.setdefault(truth, {})
+                for name, v in counts.items():
+                    if isinstance(v, int | float):
+                        slot[name] = slot.get(name, 0) + v
+    return out or None
+
+
+def collapse(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (cluster, workload, target, concurrency) with the median of its repeats.
+
+    A repeated point keeps the median of each headline metric, the spread (min, max) of
+    goodput and P99 TTFT, every repeat's goodput in ``per_repeat``, pooled TTFTs (for the CDF)
+    and summed errors and prediction counters. A single run passes through unchanged.
+    """
+    groups: dict[tuple[str, str, str, int], list[dict[str, Any]]] = {}
+    for r in _ok(rows):
+        groups.setdefault(_key(r), []).append(r)
+    out = []
+    for group in groups.values():
+        row = {**group[0], "repeats": len(group)}
+        if len(group) > 1:
+            summary = dict(group[0]["summary"])
+            for name in MEDIAN_KEYS:
+                summary[name] = _median([g["summary"][name] for g in group
+                                         if g["summary"].get(name) is not None])
+            summary["errors"] = sum(g["summary"].get("errors", 0) for g in group)
+            row["summary"] = summary
+            row["slo_share"] = _median([g["slo_share"] for g in group])
+            row["ttfts"] = [t for g in group for t in g["ttfts"]]
+            goodputs = [g["summary"]["goodput_requests_per_minute"] for g in group]
+            p99s = [g["summary"]["p99_ttft_ms"] or 0.0 for g in group]
+            row["per_repeat"] = goodputs
+            row["spread"] = {"goodput": (min(goodputs), max(goodputs)),
+                             "p99_ttft_ms": (min(p99s), max(p99s))}
+            row["cache_prediction"] = _sum_tallies([g.get("cache_prediction") for g in group])
+        out.append(row)
+    return out
+
+
+def paired_ratios(rows: list[dict[str, Any]], cluster: str, workload: str, conc: int | None,
+                  target: str, peer: str, metric: str = "goodput_requests_per_minute"
+                  ) -> list[float]:
+    """``target``/``peer`` per repeat, each pair measured back to back in the same repeat."""
+    by_repeat: dict[int, dict[str, float]] = {}
+    for r in _ok(rows):
+        if (r["cluster"], r["workload"]) == (cluster, workload) and (
+                conc is None or r["concurrency"] == conc) and r["target"] in (target, peer):
+            by_repeat.setdefault(r.get("repeat", 0), {})[r["target"]] = r["summary"][metric]
+    return [pair[target] / pair[peer] for _, pair in sorted(by_repeat.items())
+            if target in pair and peer in pair and pair[peer]]
+
+
 def _get(rows: list[dict[str, Any]], cluster: str, workload: str, target: str,
          concurrency: int | None = None) -> dict[str, Any] | None:
     for r in _ok(rows):
@@ -42,7 +116,10 @@ def critical_concurrency(rows: list[dict[str, Any]], cluster: str) -> int | None
     return points[-1][0] if points else None
 
 
-def criteria(rows: list[dict[str, Any]], cluster: str = "4P1D") -> dict[str, Any]:
+def criteria(raw: list[dict[str, Any]], cluster: str = "4P1D") -> dict[str, Any]:
+    """The issue's targets, on the medians of the repeats; goodput ratios are the median of the
+    per-repeat paired ratios (ours and the peer's run back to back), with every ratio kept."""
+    rows = collapse(raw)
     out: dict[str, Any] = {"cluster": cluster}
     c = critical_concurrency(rows, cluster)
     out["critical_concurrency"] = c
@@ -55,11 +132,15 @@ def criteria(rows: list[dict[str, Any]], cluster: str = "4P1D") -> dict[str, Any
             continue
         best = max(peers, key=lambda r: r["summary"]["goodput_requests_per_minute"])
         g = lambda r: r["summary"]["goodput_requests_per_minute"]  # noqa: E731
+        pairs_rr = paired_ratios(raw, cluster, workload, conc, "omni:oas", rr["target"])
+        pairs_best = paired_ratios(raw, cluster, workload, conc, "omni:oas", best["target"])
         out[workload] = {
             "oas_goodput": g(oas), "rr_goodput": g(rr), "best_sglang": best["target"],
-            "best_goodput": g(best),
-            "vs_rr": g(oas) / g(rr) if g(rr) else None,
-            "vs_best": g(oas) / g(best) if g(best) else None,
+            "best_goodput": g(best), "repeats": oas.get("repeats", 1),
+            "vs_rr": _median(pairs_rr) if pairs_rr else (g(oas) / g(rr) if g(rr) else None),
+            "vs_best": (_median(pairs_best) if pairs_best
+                        else (g(oas) / g(best) if g(best) else None)),
+            "vs_rr_per_repeat": pairs_rr, "vs_best_per_repeat": pairs_best,
             "oas_p99_ttft_ms": oas["summary"]["p99_ttft_ms"],
             "best_p99_ttft_ms": best["summary"]["p99_ttft_ms"],
             "p99_change": (oas["summary"]["p99_ttft_ms"] / best["summary"]["p99_ttft_ms"] - 1
@@ -138,8 +219,22 @@ def _prediction_cell(row: dict[str, Any]) -> str:
             f"{tally['under'] / measured:.0%} (n={measured})")
 
 
-def tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+def _goodput_cell(r: dict[str, Any]) -> str:
+    """Median goodput (min–max over repeats when repeated)."""
+    text = _fmt(r["summary"]["goodput_requests_per_minute"])
+    if r.get("repeats", 1) > 1:
+        low, high = r["spread"]["goodput"]
+        text += f" ({_fmt(low)}–{_fmt(high)})"
+    return text
+
+
+def tables(raw: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines: list[str] = []
+    rows = [*collapse(raw), *(r for r in raw if "failed" in r)]
+    repeats = max((r.get("repeats", 1) for r in _ok(rows)), default=1)
+    if repeats > 1:
+        lines.append(f"Each point is the median of {repeats} repeats (run interleaved); "
+                     "goodput's range over the repeats is in parentheses.\n")
     for cluster in sorted({r["cluster"] for r in rows}):
         concs = sorted({r["concurrency"] for r in _ok(rows)
                         if r["cluster"] == cluster and r["workload"] == "paper"})
@@ -155,7 +250,7 @@ def tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             for c in concs:
                 r = _get(rows, cluster, "paper", t, c)
                 cells.append("–" if r is None else
-                             f"{_fmt(r['summary']['goodput_requests_per_minute'])} / "
+                             f"{_goodput_cell(r)} / "
                              f"{_fmt((r['summary']['p99_ttft_ms'] or 0) / 1000, 2)} "
                              f"({r['slo_share']:.0%})")
             lines.append(f"| {t} | " + " | ".join(cells) + " |")
@@ -173,7 +268,7 @@ def tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             ptxt = ("–" if not pred else f"{pred['within_one_block']:.0%} "
                     f"({pred['hit_within_one_block']:.0%} of {pred['hit_requests']})")
             lines.append(f"| {r['target']} | {_fmt(s['requests_per_minute'])} | "
-                         f"{_fmt(s['goodput_requests_per_minute'])} | "
+                         f"{_goodput_cell(r)} | "
                          f"{_fmt((s['median_ttft_ms'] or 0) / 1000, 2)} / "
                          f"{_fmt((s['p99_ttft_ms'] or 0) / 1000, 2)} | "
                          f"{_fmt(s['median_tpot_ms'], 1)} | {s['errors']} | {ptxt} | "
@@ -195,12 +290,19 @@ def tables(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             p = _get(rows, "4P1D", "paper", t, c)
             m = _get(rows, "4P1D", "mooncake", t, 0)
             lines.append(
-                f"| {t} | {_fmt(p and p['summary']['goodput_requests_per_minute'])} | "
+                f"| {t} | {_goodput_cell(p) if p else 'n/a'} | "
                 f"{_fmt(p and (p['summary']['p99_ttft_ms'] or 0) / 1000, 2)} | "
                 f"{_fmt(m and m['summary']['goodput_requests_per_minute'])} | "
                 f"{_fmt(m and (m['summary']['p99_ttft_ms'] or 0) / 1000, 2)} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _per_repeat(crit: dict[str, Any], name: str) -> str:
+    ratios = crit.get(name) or []
+    if len(ratios) < 2:
+        return ""
+    return "; per repeat " + ", ".join(f"{x:.2f}" for x in ratios)
 
 
 def criteria_text(crit: dict[str, Any]) -> str:
@@ -211,9 +313,11 @@ def criteria_text(crit: dict[str, Any]) -> str:
     if p:
         lines.append(f"| paper: OAS goodput / sglang round_robin | ≥ 1.5× | "
                      f"{_fmt(p['vs_rr'], 2)}× ({_fmt(p['oas_goodput'])} vs "
-                     f"{_fmt(p['rr_goodput'])} QPM) | {'yes' if (p['vs_rr'] or 0) >= 1.5 else 'no'} |")
+                     f"{_fmt(p['rr_goodput'])} QPM){_per_repeat(p, 'vs_rr_per_repeat')} | "
+                     f"{'yes' if (p['vs_rr'] or 0) >= 1.5 else 'no'} |")
         lines.append(f"| paper: OAS goodput / best sglang-router ({p['best_sglang']}) | ≥ 1.2× | "
-                     f"{_fmt(p['vs_best'], 2)}× | {'yes' if (p['vs_best'] or 0) >= 1.2 else 'no'} |")
+                     f"{_fmt(p['vs_best'], 2)}×{_per_repeat(p, 'vs_best_per_repeat')} | "
+                     f"{'yes' if (p['vs_best'] or 0) >= 1.2 else 'no'} |")
         lines.append(f"| paper: OAS P99 TTFT vs best sglang-router (QPM ratio "
                      f"{p['qpm_ratio']:.2f}) | ≤ −38 % | {(p['p99_change'] or 0):+.0%} "
                      f"({_fmt(p['oas_p99_ttft_ms'] / 1000, 2)} vs "
@@ -235,7 +339,7 @@ def write_report(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path
     crit = criteria(rows)
     (out_dir / "criteria.json").write_text(json.dumps(crit, indent=1))
     if _ok(rows):
-        plots(rows, out_dir)
+        plots(collapse(rows), out_dir)
     text = criteria_text(crit) + "\n\n" + tables(rows, meta)
     (out_dir / "tables.md").write_text(text + "\n")
     if docs is not None:

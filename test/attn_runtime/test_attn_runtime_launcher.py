@@ -48,3 +48,32 @@ def test_a_pattern_that_does_not_fit_stops_the_launch(
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("omniinfer: error: --omni-attn-pattern:") and message in last
+
+
+@pytest.mark.parametrize("budget", [None, 16384])
+def test_the_pool_split_is_balanced_for_the_given_budget(
+    tiny_models: dict[str, Path], tmp_path: Path, budget: int | None
+) -> None:
+    import argparse
+
+    from transformers import AutoConfig
+
+    from omniinfer.attn import runtime_window as rw
+    from omniinfer.flags import OmniConfig
+    from omniinfer.sglang_plugin.omni_attn import prepare_namespace
+
+    model = tiny_models["llama"]
+    layers = AutoConfig.from_pretrained(model).num_hidden_layers
+    pattern = _pattern(model, tmp_path / "p.json", [0])
+    namespace = argparse.Namespace(
+        model_path=str(model), attention_backend="torch_native", page_size=None,
+        max_total_tokens=budget, chunked_prefill_size=512, max_running_requests=None,
+        swa_full_tokens_ratio=None, json_model_override_args=None,
+    )
+    prepare_namespace(namespace, OmniConfig(omni_attn_pattern=str(pattern)))
+    if budget is None:  # nothing to balance against: the fixed-headroom default
+        assert namespace.swa_full_tokens_ratio == rw.default_swa_ratio(4, 8)
+    else:
+        assert namespace.swa_full_tokens_ratio == rw.balanced_swa_ratio(
+            budget, layers, 1, 4, 8, prefill_chunk=512)
+    assert namespace.disable_radix_cache is True

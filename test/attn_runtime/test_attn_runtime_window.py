@@ -88,3 +88,19 @@ def test_default_ratio_balances_pools_for_2k_requests() -> None:
     # The compressed pool holds what the full pool's requests keep, plus prefill headroom.
     assert split.swa_tokens >= split.full_tokens // full_need * swa_need
     assert rw.default_swa_ratio(sink=4096, recent=4096) == 1.0
+
+
+@pytest.mark.parametrize("compressed", [6, 12, 16, 24])
+@pytest.mark.parametrize("budget", [4096, 16384, 100_000])
+def test_balanced_ratio_admits_as_many_as_the_best_ratio(compressed: int, budget: int) -> None:
+    def fits(ratio: float) -> int:
+        split = rw.ratio_split(budget, 30, compressed, ratio)
+        return rw.admissible(split, 2048, 128, 384, rw.EVICTION_INTERVAL, prefill_chunk=512)
+
+    ratio = rw.balanced_swa_ratio(budget, 30, compressed, 128, 384, prefill_chunk=512)
+    best = max(fits(r / 1000) for r in range(10, 1001))
+    assert fits(ratio) == best
+    assert fits(ratio) >= fits(rw.default_swa_ratio(128, 384))
+    # the full pool holds whole requests with no spare request's worth left over
+    split = rw.ratio_split(budget, 30, compressed, ratio)
+    assert split.full_tokens // 2048 == best

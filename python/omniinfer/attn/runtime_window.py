@@ -192,3 +192,38 @@ def admissible(
     by_full = split.full_tokens // full_need
     by_swa = max(0, split.swa_tokens - min(prefill_chunk, context)) // swa_need
     return min(by_full, by_swa)
+
+
+def balanced_swa_ratio(
+    max_total_tokens: int,
+    num_layers: int,
+    num_compressed: int,
+    sink: int,
+    recent: int,
+    *,
+    context: int = DEFAULT_CONTEXT,
+    interval: int = EVICTION_INTERVAL,
+    prefill_chunk: int | None = None,
+) -> float:
+    """The compressed/full ratio that admits the most ``context``-token requests in this budget.
+
+    With the budget known, no fixed headroom is needed: the full pool gets exactly ``N`` whole
+    requests, ``N`` being the most for which the compressed pool still holds ``N`` windows plus
+    one prefill chunk, and every remaining byte goes to the compressed pool. That pool is the
+    one shorter requests exhaust first (below the window they hold as many compressed slots as
+    full ones), so the slack is most useful there.
+    """
+    total = max_total_tokens * num_layers
+    full_layers = num_layers - num_compressed
+    full_need, swa_need = request_kv_tokens(context, sink, recent, interval)
+    chunk = min(prefill_chunk or context, context)
+    most = (total - chunk * num_compressed) // (full_need * full_layers + swa_need * num_compressed)
+    for n in range(int(most), 0, -1):
+        exact = (total / (n * full_need) - full_layers) / num_compressed
+        ratio = min(1.0, int(exact * 10_000) / 10_000)  # 4 decimals, rounded towards more full
+        if ratio <= 0:
+            continue
+        split = ratio_split(max_total_tokens, num_layers, num_compressed, ratio)
+        if admissible(split, context, sink, recent, interval, chunk) >= n:
+            return ratio
+    return default_swa_ratio(sink, recent, interval, context)
