@@ -137,7 +137,8 @@ class EmulatedCluster:
 
 
 def omni_router_args(cluster: EmulatedCluster, prefill_policy: str, decode_policy: str,
-                     access_log: Path | None = None, cache_truth: str = "router") -> list[str]:
+                     access_log: Path | None = None, cache_truth: str = "router",
+                     ttft_slo_secs: float | None = None) -> list[str]:
     args = ["--pd-disaggregation", "--cache-truth", cache_truth,
             "--prefill-policy", prefill_policy, "--decode-policy", decode_policy, "--log-level", "warn",
             "--loads-poll-interval-secs", "0.5", "--max-concurrent-requests", "4096"]
@@ -147,6 +148,8 @@ def omni_router_args(cluster: EmulatedCluster, prefill_policy: str, decode_polic
         args += ["--decode", url]
     if access_log is not None:
         args += ["--access-log", str(access_log)]
+    if ttft_slo_secs is not None:
+        args += ["--oas-ttft-slo-secs", f"{ttft_slo_secs:g}"]
     return args
 
 

@@ -3,17 +3,25 @@
 For each cluster (2P1D and 4P1D emulated ``h100-llama3-8b`` workers at ``--time-scale``) and
 each router — OmniProxy with ``oas``, ``omni_default``, ``omni_earliest_batch`` (and the OAS
 ablations on 4P1D), the Rust ``sglang_router`` 0.3.2 with ``round_robin``, ``cache_aware`` and
-``power_of_two`` — it runs the ``paper`` workload closed-loop at each concurrency of the sweep
-and the Mooncake conversation trace open-loop, with the prefix caches flushed before each run.
+``power_of_two`` — it runs the ``paper`` workload closed-loop at each concurrency of the sweep,
+the same mix open-loop at a fixed Poisson rate (``--open-qpm``: tail latency at equal QPM) and
+the Mooncake conversation trace open-loop, with the prefix caches flushed before each run.
 Times are converted back to model seconds (divided by the time scale) before the SLO
-(TTFT < 2 s, TPOT < 50 ms) is applied. ``--cache-truth kv-events`` (or ``both``) also runs our
-policies with the prefix index driven by the emulators' KV events (target ``omni:oas@kv-events``);
-every OmniProxy run records how often its predicted cached tokens matched what the prefill
-worker reported (the router's ``cache_prediction`` counters). Writes ``results.json``, ``goodput.png`` and
-``ttft_cdf.png`` to ``--output-dir`` and prints the tables (``--markdown`` prints the docs one).
+(TTFT < 2 s, TPOT < 50 ms) is applied; OmniProxy is told the same TTFT objective
+(``--oas-ttft-slo-secs``, in wall seconds) unless ``--no-router-slo``. ``--repeats N`` runs every
+point N times, interleaved, and the report gives medians, spreads and per-repeat paired ratios.
+``--cache-truth kv-events`` (or ``both``) also runs our policies with the prefix index driven by
+the emulators' KV events (target ``omni:oas@kv-events``); every OmniProxy run records how often
+its predicted cached tokens matched what the prefill worker reported, and why its prefill policy
+released each request (``open``, ``idle``, ``starved``, ``overdue``). Writes ``results.json``,
+``goodput.png`` and ``ttft_cdf.png`` to ``--output-dir`` and prints the tables.
 
     python benchmark/proxy/oas_eval.py --quick          # a few minutes
-    python benchmark/proxy/oas_eval.py                  # the full run (about 25 minutes)
+    python benchmark/proxy/oas_eval.py                  # both clusters, one repeat (~30 min)
+    python benchmark/proxy/oas_eval.py --clusters 4P1D --repeats 3 --cache-truth both \
+        --only omni:oas,omni:oas@kv-events,omni:omni_default,omni:omni_earliest_batch,\
+omni:oas_no_defer,omni:oas_no_resort,omni:oas_no_cache,omni:oas_no_lpt,omni:oas_no_slo,\
+sglang:round_robin,sglang:cache_aware,sglang:power_of_two   # the published 4P1D tables
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ from omniinfer.bench.runner import run_closed_loop, run_trace_replay  # noqa: E4
 from omniinfer.bench.workloads import BenchRequest, WorkloadSpec, mooncake, paper  # noqa: E402
 
 OURS = ("oas", "omni_default", "omni_earliest_batch")
-ABLATIONS = ("oas_no_defer", "oas_no_resort", "oas_no_cache", "oas_no_lpt")
+ABLATIONS = ("oas_no_defer", "oas_no_resort", "oas_no_cache", "oas_no_lpt", "oas_no_slo")
 SGLANG = ("round_robin", "cache_aware", "power_of_two")
 VOCAB = 128000
 
@@ -83,13 +91,17 @@ def to_model_time(results: list[RequestResult], scale: float) -> list[RequestRes
     return out
 
 
-def router_predictions(port: int) -> dict[str, Any] | None:
-    """The router's own prediction counters (exact / over / under per cache truth)."""
+def router_state(port: int) -> dict[str, Any]:
+    """The router's own prediction counters (exact / over / under per cache truth) and its
+    prefill policy's state (releases by reason: open, idle, starved, overdue)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/list_workers", timeout=10) as r:
-            return json.loads(r.read()).get("cache_prediction") or None
+            info = json.loads(r.read())
     except (urllib.error.URLError, OSError, ValueError):
-        return None
+        return {}
+    prefill = (info.get("policy_state") or {}).get("prefill") or {}
+    return {"cache_prediction": info.get("cache_prediction") or None,
+            "released": prefill.get("released"), "max_hold_s": prefill.get("max_hold_s")}
 
 
 def prediction_match(access_log: Path) -> dict[str, float] | None:
@@ -117,6 +129,7 @@ def prediction_match(access_log: Path) -> dict[str, float] | None:
 
 async def run_one(url: str, requests: list[BenchRequest], mode: str, concurrency: int,
                   replay_scale: float) -> tuple[list[RequestResult], float]:
+    """Closed loop at ``concurrency``, or open loop at the requests' arrival times."""
     if mode == "closed":
         return await run_closed_loop(url, requests, concurrency, progress=False,
                                      timeout_s=600)
@@ -128,8 +141,9 @@ def run_target(target: Target, cluster: EmulatedCluster, workloads: list[dict[st
     port = free_port()
     access = log_dir / f"{target.name.replace(':', '_')}.access.jsonl"
     if target.router == "omni":
+        slo = None if args.no_router_slo else args.slo_ttft * args.time_scale  # wall seconds
         command = omni_router_command(omni_router_args(cluster, target.policy, target.policy,
-                                                       access, target.cache_truth), port)
+                                                       access, target.cache_truth, slo), port)
     else:  # sglang-router refuses power_of_two over one decode worker; one choice is no choice
         decode = target.policy if len(cluster.decode) > 1 else "round_robin"
         command = sglang_router_command(cluster, target.policy, decode, port)
@@ -138,19 +152,20 @@ def run_target(target: Target, cluster: EmulatedCluster, workloads: list[dict[st
         cluster.flush()
         access.unlink(missing_ok=True)
         router = start_router(command, port, log_dir / f"{target.name.replace(':', '_')}.log")
-        predictions = None
+        state: dict[str, Any] = {}
         try:
             results, duration = asyncio.run(run_one(
                 f"http://127.0.0.1:{port}", wl["requests"], wl["mode"], wl["concurrency"],
-                args.time_scale / args.trace_speedup))
+                args.time_scale / wl.get("speedup", 1.0)))
             if target.router == "omni":
-                predictions = router_predictions(port)
+                state = router_state(port)
         finally:
             router.stop()
         model = to_model_time(results, args.time_scale)
         summary = summarize(model, duration / args.time_scale, args.slo_ttft, args.slo_tpot)
         ok = [r for r in model if r.ok]
         row = {"target": target.name, "workload": wl["name"], "concurrency": wl["concurrency"],
+               "qpm": wl.get("qpm"),
                "summary": summary, "ttfts": [r.ttft for r in ok if r.ttft is not None],
                "errors": [r.error for r in model if not r.ok][:3],
                "slo_share": (sum(1 for r in ok if r.ttft is not None and r.ttft <= args.slo_ttft
@@ -160,17 +175,21 @@ def run_target(target: Target, cluster: EmulatedCluster, workloads: list[dict[st
             time.sleep(1.2)  # the access log is flushed about every second
             row["prediction"] = prediction_match(access)
             row["cache_truth"] = target.cache_truth
-            row["cache_prediction"] = predictions
+            row["cache_prediction"] = state.get("cache_prediction")
+            row["released"] = state.get("released")
+            row["max_hold_s"] = state.get("max_hold_s")
         rows.append(row)
         s = summary
         print(f"  {target.name:26s} {wl['name']:10s} c={wl['concurrency']:<4} "
               f"QPM {s['requests_per_minute']:7.1f}  goodput {s['goodput_requests_per_minute']:7.1f}"
               f"  TTFT p50/p99 {s['median_ttft_ms'] or 0:7.0f}/{s['p99_ttft_ms'] or 0:7.0f} ms"
-              f"  TPOT p50 {s['median_tpot_ms'] or 0:5.1f} ms  err {s['errors']}", flush=True)
+              f"  TPOT p50 {s['median_tpot_ms'] or 0:5.1f} ms  err {s['errors']}"
+              + (f"  released {row['released']}" if row.get("released") else ""), flush=True)
     return rows
 
 
-def build_workloads(args: argparse.Namespace, concurrency: list[int]) -> list[dict[str, Any]]:
+def build_workloads(args: argparse.Namespace, concurrency: list[int],
+                    open_qpm: float | None = None) -> list[dict[str, Any]]:
     spec = WorkloadSpec(num_requests=args.num_requests, seed=args.seed, vocab_size=VOCAB,
                         output_scale=args.output_scale, max_total_len=8000)
     reqs = paper(dataclasses.replace(spec, num_requests=args.num_requests
@@ -182,7 +201,15 @@ def build_workloads(args: argparse.Namespace, concurrency: list[int]) -> list[di
     mspec = WorkloadSpec(num_requests=args.mooncake_requests, seed=args.seed, vocab_size=VOCAB,
                          input_scale=args.mooncake_input_scale, output_scale=args.output_scale,
                          max_total_len=8000)
-    out.append({"name": "mooncake", "mode": "open", "concurrency": 0,
+    if open_qpm:  # the same mix at a fixed Poisson rate: tail latency at equal QPM
+        rng = np.random.default_rng(args.seed + 1)
+        gaps = rng.exponential(60.0 / open_qpm, size=args.open_requests)
+        fresh = paper(dataclasses.replace(spec, num_requests=args.open_requests,
+                                          seed=args.seed + 1))
+        out.append({"name": "paper-open", "mode": "open", "concurrency": 0, "qpm": open_qpm,
+                    "requests": [dataclasses.replace(r, arrival_s=float(t))
+                                 for r, t in zip(fresh, np.cumsum(gaps), strict=True)]})
+    out.append({"name": "mooncake", "mode": "open", "concurrency": 0, "speedup": args.trace_speedup,
                 "requests": mooncake(mspec)})
     return out
 
@@ -206,16 +233,27 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=1,
                    help="run every (target, workload) this many times, interleaved; the report "
                    "gives medians, spreads and per-repeat paired ratios")
-    p.add_argument("--requests-per-client", type=int, default=2,
-                   help="paper workload: requests = --num-requests + this × concurrency")
+    p.add_argument("--requests-per-client", type=int, default=4,
+                   help="paper workload: requests = --num-requests + this × concurrency (with "
+                   "2 the first burst and the drain were most of a run, and runs varied 2×)")
     p.add_argument("--output-scale", type=float, default=0.05,
                    help="output lengths × this (keeps the stream volume within 2 CPU cores)")
+    p.add_argument("--open-qpm", type=float, default=1800.0,
+                   help="paper workload open loop (Poisson) at this many requests per model "
+                   "minute on 4P1D (scaled by the prefill count elsewhere), for P99 TTFT at equal "
+                   "QPM; about 80%% of what 4P1D of h100-llama3-8b serves closed-loop; 0: skip")
+    p.add_argument("--open-requests", type=int, default=300)
     p.add_argument("--mooncake-requests", type=int, default=None)
     p.add_argument("--mooncake-input-scale", type=float, default=0.25)
-    p.add_argument("--trace-speedup", type=float, default=8.0,
-                   help="replay the Mooncake trace this many times faster than recorded")
+    p.add_argument("--trace-speedup", type=float, default=14.0,
+                   help="replay the Mooncake trace this many times faster than recorded (14: "
+                   "close to 4P1D's capacity; at 8 every policy met the SLO for every request, "
+                   "so there was no ranking to compare)")
     p.add_argument("--slo-ttft", type=float, default=2.0)
     p.add_argument("--slo-tpot", type=float, default=0.050)
+    p.add_argument("--no-router-slo", action="store_true",
+                   help="do not tell OmniProxy the TTFT objective (--oas-ttft-slo-secs); by "
+                   "default it gets the same SLO the goodput is measured against")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default=None, help="comma list of target names to run")
     p.add_argument("--no-ablations", action="store_true")
@@ -242,6 +280,7 @@ def main() -> int:
     args.num_requests = args.num_requests or (30 if quick else 40)
     if quick:
         args.requests_per_client = 1
+        args.open_requests = min(args.open_requests, 200)
     args.mooncake_requests = args.mooncake_requests or (60 if quick else 160)
     out_dir: Path = args.output_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -255,7 +294,7 @@ def main() -> int:
         print(f"cluster {name}: {n_p} prefill + {n_d} decode '{args.profile}' emulators, "
               f"time scale {args.time_scale}", flush=True)
         sweep = args.concurrency if name == "4P1D" else args.small_concurrency
-        workloads = build_workloads(args, sweep)
+        workloads = build_workloads(args, sweep, args.open_qpm * n_p / 4 if args.open_qpm else None)
         cluster = EmulatedCluster(n_p, n_d, args.profile, args.time_scale, log_dir / name,
                                   kv_events=args.cache_truth != "router")
         try:  # targets interleaved per workload, so a change in the box's load hits them all

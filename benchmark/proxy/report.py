@@ -12,6 +12,7 @@ from typing import Any
 
 SECTION = "## OmniProxy OAS evaluation"
 MISS_SHARE = 0.9  # a policy "misses the SLO" when fewer than 90 % of requests meet it
+SGLANG_POLICIES = ("round_robin", "cache_aware", "power_of_two")
 
 
 def _ok(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -154,6 +155,22 @@ def criteria(raw: list[dict[str, Any]], cluster: str = "4P1D") -> dict[str, Any]
                      "cache_aware", "power_of_two")],
                 key=lambda r: -g(r))],
         }
+    open_rows = {t: _get(rows, cluster, "paper-open", t, 0)
+                 for t in ("omni:oas", *(f"sglang:{p}" for p in SGLANG_POLICIES))}
+    oas_open = open_rows.pop("omni:oas")
+    peers_open = [r for r in open_rows.values() if r and r["summary"]["p99_ttft_ms"]]
+    if oas_open and peers_open:
+        lowest = min(peers_open, key=lambda r: r["summary"]["p99_ttft_ms"])
+        out["paper_open"] = {
+            "qpm": oas_open.get("qpm"), "best_sglang": lowest["target"],
+            "oas_p99_ttft_ms": oas_open["summary"]["p99_ttft_ms"],
+            "best_p99_ttft_ms": lowest["summary"]["p99_ttft_ms"],
+            "p99_change": oas_open["summary"]["p99_ttft_ms"] / lowest["summary"]["p99_ttft_ms"] - 1,
+            "qpm_ratio": (oas_open["summary"]["requests_per_minute"]
+                          / lowest["summary"]["requests_per_minute"]),
+            "oas_goodput": oas_open["summary"]["goodput_requests_per_minute"],
+            "best_goodput": max(r["summary"]["goodput_requests_per_minute"] for r in peers_open),
+        }
     return out
 
 
@@ -228,6 +245,32 @@ def _goodput_cell(r: dict[str, Any]) -> str:
     return text
 
 
+def _open_table(rows: list[dict[str, Any]], cluster: str, workload: str, title: str
+                ) -> list[str]:
+    chosen = [r for r in _ok(rows) if r["cluster"] == cluster and r["workload"] == workload]
+    if not chosen:
+        return []
+    qpm = chosen[0].get("qpm")
+    lines = [f"**{cluster}, {title}" + (f" at {qpm:,.0f} QPM" if qpm else "") + ":**\n",
+             "| router:policy | QPM | goodput QPM | TTFT p50 / p99 (s) | TPOT p50 (ms) "
+             "| errors | predicted cache = reported (hits) | cache prediction exact / "
+             "over / under |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in chosen:
+        s = r["summary"]
+        pred = r.get("prediction")
+        ptxt = ("–" if not pred else f"{pred['within_one_block']:.0%} "
+                f"({pred['hit_within_one_block']:.0%} of {pred['hit_requests']})")
+        lines.append(f"| {r['target']} | {_fmt(s['requests_per_minute'])} | "
+                     f"{_goodput_cell(r)} | "
+                     f"{_fmt((s['median_ttft_ms'] or 0) / 1000, 2)} / "
+                     f"{_fmt((s['p99_ttft_ms'] or 0) / 1000, 2)} | "
+                     f"{_fmt(s['median_tpot_ms'], 1)} | {s['errors']} | {ptxt} | "
+                     f"{_prediction_cell(r)} |")
+    lines.append("")
+    return lines
+
+
 def tables(raw: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines: list[str] = []
     rows = [*collapse(raw), *(r for r in raw if "failed" in r)]
@@ -255,25 +298,9 @@ def tables(raw: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                              f"({r['slo_share']:.0%})")
             lines.append(f"| {t} | " + " | ".join(cells) + " |")
         lines.append("")
-        lines.append(f"**{cluster}, Mooncake trace, open loop:**\n")
-        lines.append("| router:policy | QPM | goodput QPM | TTFT p50 / p99 (s) | TPOT p50 (ms) "
-                     "| errors | predicted cache = reported (hits) | cache prediction exact / "
-                     "over / under |")
-        lines.append("|---|---|---|---|---|---|---|---|")
-        for r in _ok(rows):
-            if r["cluster"] != cluster or r["workload"] != "mooncake":
-                continue
-            s = r["summary"]
-            pred = r.get("prediction")
-            ptxt = ("–" if not pred else f"{pred['within_one_block']:.0%} "
-                    f"({pred['hit_within_one_block']:.0%} of {pred['hit_requests']})")
-            lines.append(f"| {r['target']} | {_fmt(s['requests_per_minute'])} | "
-                         f"{_goodput_cell(r)} | "
-                         f"{_fmt((s['median_ttft_ms'] or 0) / 1000, 2)} / "
-                         f"{_fmt((s['p99_ttft_ms'] or 0) / 1000, 2)} | "
-                         f"{_fmt(s['median_tpot_ms'], 1)} | {s['errors']} | {ptxt} | "
-                         f"{_prediction_cell(r)} |")
-        lines.append("")
+        for workload, title in (("paper-open", "paper workload, open loop (Poisson)"),
+                                ("mooncake", "Mooncake trace, open loop")):
+            lines.extend(_open_table(rows, cluster, workload, title))
     failed = [r for r in rows if "failed" in r]
     if failed:
         lines.append("Failed runs: " + "; ".join(f"{r['cluster']} {r['target']} {r['workload']}"
@@ -323,6 +350,13 @@ def criteria_text(crit: dict[str, Any]) -> str:
                      f"({_fmt(p['oas_p99_ttft_ms'] / 1000, 2)} vs "
                      f"{_fmt(p['best_p99_ttft_ms'] / 1000, 2)} s) | "
                      f"{'yes' if (p['p99_change'] or 0) <= -0.38 else 'no'} |")
+    o = crit.get("paper_open")
+    if o:
+        lines.append(f"| paper, open loop at {_fmt(o['qpm'])} QPM: OAS P99 TTFT vs the lowest "
+                     f"sglang-router P99 ({o['best_sglang']}; QPM ratio {o['qpm_ratio']:.2f}) "
+                     f"| ≤ −38 % | {o['p99_change']:+.0%} ({_fmt(o['oas_p99_ttft_ms'] / 1000, 2)} "
+                     f"vs {_fmt(o['best_p99_ttft_ms'] / 1000, 2)} s) | "
+                     f"{'yes' if o['p99_change'] <= -0.38 else 'no'} |")
     m = crit.get("mooncake")
     if m:
         same = (m["vs_rr"] or 0) >= 1.0 and (m["vs_best"] or 0) >= 1.0

@@ -136,3 +136,18 @@ def test_oas_policy_counts_an_instance_short_of_work_until_two_batches_are_out()
     assert policy.queue.is_open(clock, 0.0)
     clock.on_report(2)
     assert not policy.queue.is_open(clock, 0.0)
+
+
+def test_the_ttft_objective_reaches_the_queue_order() -> None:
+    from omniinfer.proxy.deferral import Waiting
+    from omniinfer.proxy.policies.oas import OASNoSLO
+
+    config = RouterConfig(oas_ttft_slo_secs=1.0)
+    lost, fresh_long = Waiting("lost", 100, 0.01, 0.0), Waiting("fresh", 5000, 0.5, 1.4)
+    with_slo = OASPolicy(PolicyContext(config, PrefixIndex(), Role.PREFILL))
+    without = OASNoSLO(PolicyContext(config, PrefixIndex(), Role.PREFILL))
+    plain = OASPolicy(PolicyContext(RouterConfig(), PrefixIndex(), Role.PREFILL))
+    # at t=1.5 "lost" has waited past the objective; "fresh" can still make it
+    assert [w.key for w in with_slo.queue.order([lost, fresh_long], 1.5)] == ["fresh", "lost"]
+    assert [w.key for w in without.queue.order([lost, fresh_long], 1.5)] == ["lost", "fresh"]
+    assert [w.key for w in plain.queue.order([lost, fresh_long], 1.5)] == ["lost", "fresh"]

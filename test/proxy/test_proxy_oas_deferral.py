@@ -13,6 +13,7 @@ from omniinfer.proxy.deferral import (
     Release,
     Waiting,
     get_order,
+    slo_first,
     upstream_weights,
 )
 
@@ -51,6 +52,55 @@ def test_short_old_first_lets_short_overtake_until_the_long_one_has_aged() -> No
     late = item("short2", 0.05, 1.5)
     assert [w.key for w in order([long, late], 1.6)] == ["long", "short2"]
     assert [w.key for w in get_order("fifo")([short, long], 9.0)] == ["long", "short"]
+
+
+def test_slo_first_puts_requests_that_can_still_make_it_ahead_of_lost_ones() -> None:
+    order = slo_first(get_order("short_old_first"), slo_s=2.0)
+    lost = item("lost", 0.1, 0.0)  # waited 2.5 s: can no longer make 2 s
+    old_long = item("old_long", 0.8, 1.0)  # 1.5 s + 0.8 s > 2 s: lost as well
+    fresh_long, fresh_short = item("fresh_long", 1.0, 2.3), item("fresh_short", 0.1, 2.4)
+    keys = [w.key for w in order([lost, old_long, fresh_long, fresh_short], 2.5)]
+    # the ones that can make it, short-old-first among them; then the lost ones, oldest first
+    assert keys == ["fresh_short", "fresh_long", "lost", "old_long"]
+    # plain short-old-first would serve the lost one first (it has aged most)
+    assert [w.key for w in get_order("short_old_first")([lost, fresh_short], 2.5)][0] == "lost"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_slo_first_keeps_the_hold_bound(seed: int) -> None:
+    """Overloaded: one slot opens per arrival, half the requests arrive; the lost ones go last,
+    yet none waits past one cycle plus the bound, and most releases go to fresh requests."""
+    rng = random.Random(seed)
+    opts = DeferralOptions(lead_fraction=1.0, bound_cycles=3.0)
+    inst = FakeInstance("a", backlog=10.0, cycle=0.2)
+    q = DeferredQueue(slo_first(get_order("short_old_first"), 0.3), ttft, opts, rng)
+    bound = q.max_hold([inst])
+    now, arrivals, held = 0.0, {}, []
+
+    def take(r: Release) -> None:
+        inst.idle = False  # one slot per opening
+        held.append((r.item.key, r.reason, now - arrivals[r.item.key]))
+
+    for i in range(300):
+        arrival = now + rng.expovariate(40.0)
+        wake = q.next_wakeup(now, [inst])
+        while wake is not None and wake <= arrival:
+            now = wake
+            q.pump(now, [inst], take)
+            wake = q.next_wakeup(now, [inst])
+        now = arrival
+        key = f"r{i}"
+        q.push(item(key, rng.choice([0.001, 0.04]), now))
+        arrivals[key] = now
+        inst.idle = i % 2 == 0
+        q.pump(now, [inst], take)
+    inst.idle = False
+    while len(q):
+        now = q.next_wakeup(now, [inst])
+        q.pump(now, [inst], take)
+    assert len(held) == 300 and max(h for *_, h in held) <= bound + 1e-9
+    fresh = [h for _, reason, h in held if reason == "idle"]
+    assert len(fresh) >= 140 and sum(h <= 0.3 for h in fresh) / len(fresh) > 0.9
 
 
 def test_upstream_order_is_the_shipped_formula() -> None:

@@ -198,6 +198,10 @@ def test_prefill_flag_pairs_like_sglang_router() -> None:
         parse_prefill([["http://p:1", "x"]])
     with pytest.raises(ValueError, match="--pd-disaggregation"):
         config_from_args(p.parse_args(["--decode", "http://d:1"]))
+    pd = ["--pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:1"]
+    assert config_from_args(p.parse_args([*pd, "--oas-ttft-slo-secs", "2"])).oas_ttft_slo_secs == 2
+    with pytest.raises(ValueError, match="--oas-ttft-slo-secs must be positive"):
+        config_from_args(p.parse_args([*pd, "--oas-ttft-slo-secs", "0"]))
 
 
 def test_tokenization_shapes_and_errors() -> None:

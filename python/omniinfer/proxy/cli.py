@@ -41,6 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=[], metavar="URL=tcp://HOST:PORT",
                    help="a worker's KV-event publisher, if not the one its /server_info names "
                    "(repeat per worker; repeat a worker for its DP ranks, in order)")
+    r.add_argument("--oas-ttft-slo-secs", type=float, default=None,
+                   help="oas: the TTFT objective; waiting requests that can still meet it are "
+                   "released before those that no longer can (which the hold bound still "
+                   "releases in time). Default: no objective, short-and-old first for all")
     r.add_argument("--model-path", default=None, help="served model (its tokenizer is used)")
     r.add_argument("--tokenizer-path", default=None, help="tokenizer, if not the model's")
     r.add_argument("--default-max-new-tokens", type=int, default=D.default_max_new_tokens,

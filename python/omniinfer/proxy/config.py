@@ -28,6 +28,7 @@ class RouterConfig:
     apc_block_size: int = 16
     cache_truth: str = "router"  # "router": own index, filled on route; "kv-events": workers' events
     kv_events_endpoints: list[str] = dataclasses.field(default_factory=list)  # URL=tcp://H:P
+    oas_ttft_slo_secs: float | None = None  # OAS: requests that can still meet it go first
     model_path: str | None = None
     tokenizer_path: str | None = None
     max_payload_size: int = 256 * 1024 * 1024
@@ -85,6 +86,8 @@ class RouterConfig:
             raise ValueError("--balance-rel-threshold must be >= 1")
         if self.cache_truth not in ("router", "kv-events"):
             raise ValueError("--cache-truth must be 'router' or 'kv-events'")
+        if self.oas_ttft_slo_secs is not None and not self.oas_ttft_slo_secs > 0:
+            raise ValueError("--oas-ttft-slo-secs must be positive")
         if self.kv_events_endpoints:
             if self.cache_truth != "kv-events":
                 raise ValueError("--kv-events-endpoint needs --cache-truth kv-events")

@@ -99,6 +99,24 @@ def upstream_weights(items: Sequence[Waiting], now: float) -> list[Waiting]:
                   + 0.2 * (now - w.arrival) / w_max, reverse=True)
 
 
+def slo_first(order: Order, slo_s: float) -> Order:
+    """``order`` among requests that can still meet a TTFT objective, then the others, oldest
+    first.
+
+    Under overload the mean wait is set by the load, whatever the order; the order decides how
+    many requests finish within the objective. A request that has already waited past it
+    (waiting time + its predicted compute > ``slo_s``) would, served first, make the next ones
+    miss as well; it goes after them, and the hold bound still releases it in time.
+    """
+
+    def ordered(items: Sequence[Waiting], now: float) -> list[Waiting]:
+        alive = [w for w in items if (now - w.arrival) + w.work <= slo_s]
+        late = [w for w in items if (now - w.arrival) + w.work > slo_s]
+        return order(alive, now) + sorted(late, key=lambda w: w.arrival)
+
+    return ordered
+
+
 @dataclasses.dataclass(frozen=True)
 class DeferralOptions:
     lead_fraction: float = 1.0  # release when the backlog is within this share of a cycle

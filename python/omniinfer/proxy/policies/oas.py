@@ -3,8 +3,9 @@
 Prefill: each request's best instance is the one with the lowest predicted TTFT = predicted
 queue time + batch time of its *uncached* tokens (the APC match) + KV transfer, from a batch time
 model each instance learns online from its own measured batches (``oas_cost``); exact ties are
-broken at random. Requests wait in the proxy, short-and-old first, and go to their instance just
-before its next predicted batch boundary; none waits more than one predicted cycle plus a bound
+broken at random. Requests wait in the proxy, short-and-old first (with ``--oas-ttft-slo-secs``,
+those that can still meet the objective before those that no longer can), and go to their
+instance just before its next predicted batch boundary; none waits more than one predicted cycle plus a bound
 (``deferral``). The release is work-conserving: an instance is *short of work* — whatever the
 model predicts — while less than two batches of tokens sent to it are not back, or when its own
 /v1/loads report shows nothing waiting (one batch of credit); it is open, and a request whose
@@ -21,7 +22,8 @@ first to the least-loaded decode instance under its cap.
 The ablations are the same policy with one part switched off, registered beside it:
 ``oas_no_defer`` (released at once to the best instance), ``oas_no_resort`` (arrival order),
 ``oas_no_cache`` (the estimate ignores the cache), ``oas_no_lpt`` (decode in arrival order),
-``oas_jit_only`` (the prediction alone opens an instance: no work conservation).
+``oas_jit_only`` (the prediction alone opens an instance: no work conservation),
+``oas_no_slo`` (ignores ``--oas-ttft-slo-secs``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from omniinfer.proxy.base import RouteRequest, register_policy
-from omniinfer.proxy.deferral import DeferralOptions, DeferredQueue, Instance, Waiting, get_order
+from omniinfer.proxy.deferral import (
+    DeferralOptions,
+    DeferredQueue,
+    Instance,
+    Waiting,
+    get_order,
+    slo_first,
+)
 from omniinfer.proxy.oas_cost import InstanceClock, TransferModel, predicted_ttft
 from omniinfer.proxy.policies._deferred import DeferringPolicy
 from omniinfer.proxy.workers import Role, Worker
@@ -43,6 +52,7 @@ class OASPolicy(DeferringPolicy):
     defer: ClassVar[bool] = True
     use_cache: ClassVar[bool] = True
     work_conserving: ClassVar[bool] = True  # a reported-empty instance is open (one batch)
+    slo_aware: ClassVar[bool] = True  # honour --oas-ttft-slo-secs when given
     transfer = TransferModel()  # the same for every prefill instance of one decode pool
 
     def make_queue(self) -> DeferredQueue:
@@ -52,8 +62,11 @@ class OASPolicy(DeferringPolicy):
             bound_cycles=float(getattr(config, "oas_hold_bound_cycles", 8.0)))
         gate = None if self.defer else (lambda inst, now: True)
         starved = self._starved if self.work_conserving else None
-        return DeferredQueue(get_order(self.order_name), self.estimate, options, self.rng, gate,
-                             starved=starved)
+        order = get_order(self.order_name)
+        slo = getattr(config, "oas_ttft_slo_secs", None) if self.slo_aware else None
+        if slo:
+            order = slo_first(order, float(slo))
+        return DeferredQueue(order, self.estimate, options, self.rng, gate, starved=starved)
 
     def _starved(self, inst: Instance, now: float) -> bool:
         """Would run short of work: reported empty, or less than ``queue_batches`` batches of
@@ -109,6 +122,11 @@ class OASNoCache(OASPolicy):
 @register_policy("oas_no_lpt")
 class OASNoLPT(OASPolicy):
     lpt = False
+
+
+@register_policy("oas_no_slo")
+class OASNoSLO(OASPolicy):
+    slo_aware = False
 
 
 @register_policy("oas_jit_only")
