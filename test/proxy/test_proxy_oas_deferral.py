@@ -103,6 +103,14 @@ def test_slo_first_keeps_the_hold_bound(seed: int) -> None:
     assert len(fresh) >= 140 and sum(h <= 0.3 for h in fresh) / len(fresh) > 0.9
 
 
+def test_shortest_first_ignores_waiting_time() -> None:
+    old_long, new_short = item("old_long", 0.5, 0.0), item("new_short", 0.05, 9.0)
+    tie_late, tie_early = item("tie_late", 0.05, 9.5), item("tie_early", 0.05, 8.0)
+    keys = [w.key for w in get_order("shortest_first")([old_long, new_short, tie_late, tie_early],
+                                                      10.0)]
+    assert keys == ["tie_early", "new_short", "tie_late", "old_long"]
+
+
 def test_upstream_order_is_the_shipped_formula() -> None:
     a, b = item("a", 0, 0.0, tokens=8000), item("b", 0, 0.9, tokens=1000)
     # a: 0.8*0 + 0.2*1.0 = 0.2 ; b: 0.8*(7/8) + 0.2*(0.1/1.0) = 0.72

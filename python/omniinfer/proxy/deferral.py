@@ -90,6 +90,13 @@ def short_old_first(items: Sequence[Waiting], now: float) -> list[Waiting]:
     return sorted(items, key=lambda w: (now - w.arrival) - 2.0 * w.work, reverse=True)
 
 
+@register_order("shortest_first")
+def shortest_first(items: Sequence[Waiting], now: float) -> list[Waiting]:
+    """Least predicted compute first, arrival order among equals (no aging: the hold bound is
+    what protects long requests)."""
+    return sorted(items, key=lambda w: (w.work, w.arrival))
+
+
 @register_order("upstream_weights")
 def upstream_weights(items: Sequence[Waiting], now: float) -> list[Waiting]:
     """OmniInfer's shipped order: 0.8·(Tmax−T)/Tmax + 0.2·W/Wmax (Wmax ≥ 50 ms), highest first."""

@@ -23,7 +23,8 @@ The ablations are the same policy with one part switched off, registered beside 
 ``oas_no_defer`` (released at once to the best instance), ``oas_no_resort`` (arrival order),
 ``oas_no_cache`` (the estimate ignores the cache), ``oas_no_lpt`` (decode in arrival order),
 ``oas_jit_only`` (the prediction alone opens an instance: no work conservation),
-``oas_no_slo`` (ignores ``--oas-ttft-slo-secs``).
+``oas_no_slo`` (ignores ``--oas-ttft-slo-secs``); ``oas_sjf`` is a variant that orders by
+predicted compute alone (no aging; the hold bound protects long requests).
 """
 
 from __future__ import annotations
@@ -122,6 +123,11 @@ class OASNoCache(OASPolicy):
 @register_policy("oas_no_lpt")
 class OASNoLPT(OASPolicy):
     lpt = False
+
+
+@register_policy("oas_sjf")
+class OASShortestFirst(OASPolicy):
+    order_name = "shortest_first"
 
 
 @register_policy("oas_no_slo")
