@@ -59,7 +59,8 @@ from omniinfer.bench.runner import run_closed_loop, run_trace_replay  # noqa: E4
 from omniinfer.bench.workloads import BenchRequest, WorkloadSpec, mooncake, paper  # noqa: E402
 
 OURS = ("oas", "omni_default", "omni_earliest_batch")
-ABLATIONS = ("oas_no_defer", "oas_no_resort", "oas_no_cache", "oas_no_lpt", "oas_no_slo")
+ABLATIONS = ("oas_no_defer", "oas_no_resort", "oas_no_cache", "oas_no_lpt", "oas_no_slo",
+             "oas_sjf")  # the last is a variant (shortest first), not an ablation
 SGLANG = ("round_robin", "cache_aware", "power_of_two")
 VOCAB = 128000
 
