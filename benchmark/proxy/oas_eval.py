@@ -215,6 +215,14 @@ def build_workloads(args: argparse.Namespace, concurrency: list[int],
     return out
 
 
+def _shown(path: Path) -> str:
+    """A path as results record it: relative to the repository when inside it."""
+    try:
+        return str(path.resolve().relative_to(HERE.parents[1]))
+    except ValueError:
+        return str(path)
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # so the finally blocks stop every process group we started
 
@@ -319,7 +327,7 @@ def main() -> int:
                 (out_dir / "results.partial.json").write_text(json.dumps(rows))
         finally:
             cluster.stop()
-    meta = {key: (str(v) if isinstance(v, Path) else v) for key, v in vars(args).items()}
+    meta = {key: (_shown(v) if isinstance(v, Path) else v) for key, v in vars(args).items()}
     meta["wall_s"] = time.monotonic() - t0
     reqs = build_workloads(args, args.concurrency)
     meta["paper_mean_input"] = float(np.mean([r.prompt_tokens for r in reqs[-2]["requests"]]))
