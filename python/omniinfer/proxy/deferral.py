@@ -117,8 +117,10 @@ def slo_first(order: Order, slo_s: float) -> Order:
     """
 
     def ordered(items: Sequence[Waiting], now: float) -> list[Waiting]:
-        alive = [w for w in items if (now - w.arrival) + w.work <= slo_s]
-        late = [w for w in items if (now - w.arrival) + w.work > slo_s]
+        alive: list[Waiting] = []
+        late: list[Waiting] = []
+        for w in items:
+            (alive if (now - w.arrival) + w.work <= slo_s else late).append(w)
         return order(alive, now) + sorted(late, key=lambda w: w.arrival)
 
     return ordered
@@ -191,8 +193,7 @@ class DeferredQueue:
 
     def is_open(self, instance: Instance, now: float) -> bool:
         """Due by the prediction, or reported starved (work conservation)."""
-        return self.is_due(instance, now) or (
-            self.starved is not None and self.starved(instance, now))
+        return self.is_due(instance, now) or self._is_starved(instance, now)
 
     # ---- the release rule -------------------------------------------------------------------
     def best(self, item: Waiting, instances: Sequence[Instance], now: float

@@ -105,36 +105,18 @@ class OASPolicy(DeferringPolicy):
                               self.transfer, self.use_cache)
 
 
-@register_policy("oas_no_defer")
-class OASNoDefer(OASPolicy):
-    defer = False
+def _variant(name: str, **switches: Any) -> type[OASPolicy]:
+    """Register ``oas`` with some class-level switches changed (an ablation or a variant)."""
+    unknown = sorted(set(switches) - set(dir(OASPolicy)))
+    if unknown:
+        raise TypeError(f"{name}: OASPolicy has no switch {', '.join(unknown)}")
+    return register_policy(name)(type(f"OAS_{name}", (OASPolicy,), switches))
 
 
-@register_policy("oas_no_resort")
-class OASNoResort(OASPolicy):
-    order_name = "fifo"
-
-
-@register_policy("oas_no_cache")
-class OASNoCache(OASPolicy):
-    use_cache = False
-
-
-@register_policy("oas_no_lpt")
-class OASNoLPT(OASPolicy):
-    lpt = False
-
-
-@register_policy("oas_sjf")
-class OASShortestFirst(OASPolicy):
-    order_name = "shortest_first"
-
-
-@register_policy("oas_no_slo")
-class OASNoSLO(OASPolicy):
-    slo_aware = False
-
-
-@register_policy("oas_jit_only")
-class OASJitOnly(OASPolicy):
-    work_conserving = False
+OASNoDefer = _variant("oas_no_defer", defer=False)
+OASNoResort = _variant("oas_no_resort", order_name="fifo")
+OASNoCache = _variant("oas_no_cache", use_cache=False)
+OASNoLPT = _variant("oas_no_lpt", lpt=False)
+OASShortestFirst = _variant("oas_sjf", order_name="shortest_first")
+OASNoSLO = _variant("oas_no_slo", slo_aware=False)
+OASJitOnly = _variant("oas_jit_only", work_conserving=False)
