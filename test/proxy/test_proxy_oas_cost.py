@@ -151,3 +151,12 @@ def test_the_ttft_objective_reaches_the_queue_order() -> None:
     assert [w.key for w in with_slo.queue.order([lost, fresh_long], 1.5)] == ["fresh", "lost"]
     assert [w.key for w in without.queue.order([lost, fresh_long], 1.5)] == ["lost", "fresh"]
     assert [w.key for w in plain.queue.order([lost, fresh_long], 1.5)] == ["lost", "fresh"]
+
+
+def test_a_variant_can_only_change_existing_switches() -> None:
+    from omniinfer.proxy.policies import oas
+
+    with pytest.raises(TypeError, match="no switch deferr"):
+        oas._variant("oas_typo", deferr=False)
+    assert oas.OASNoDefer.defer is False and oas.OASPolicy.defer is True
+    assert oas.OASNoDefer.name == "oas_no_defer"
