@@ -115,6 +115,14 @@ class EmulatedCluster:
     def urls(self) -> list[str]:
         return [u for u, _ in self.prefill] + self.decode
 
+    def prefill_busy_s(self) -> list[float]:
+        """Each prefill worker's cumulative busy time (wall seconds, from /v1/loads)."""
+        out = []
+        for url, _ in self.prefill:
+            with urllib.request.urlopen(url + "/v1/loads", timeout=5) as r:
+                out.append(sum(load["total_prefill_busy_us"] for load in json.load(r)["loads"]) / 1e6)
+        return out
+
     def flush(self, timeout_s: float = 60.0) -> None:
         """Empty every worker's prefix cache (waits until each is idle)."""
         for url in self.urls():

@@ -58,9 +58,9 @@ from omniinfer.bench.metrics import summarize  # noqa: E402
 from omniinfer.bench.runner import run_closed_loop, run_trace_replay  # noqa: E402
 from omniinfer.bench.workloads import BenchRequest, WorkloadSpec, mooncake, paper  # noqa: E402
 
-OURS = ("oas", "omni_default", "omni_earliest_batch")
+OURS = ("oas", "oas_goodput", "omni_default", "omni_earliest_batch")
 ABLATIONS = ("oas_no_defer", "oas_no_resort", "oas_no_cache", "oas_no_lpt", "oas_no_slo",
-             "oas_sjf")  # the last is a variant (shortest first), not an ablation
+             "oas_sjf", "oas_mh")  # the last two are variants (orders), not ablations
 SGLANG = ("round_robin", "cache_aware", "power_of_two")
 VOCAB = 128000
 
@@ -137,6 +137,20 @@ async def run_one(url: str, requests: list[BenchRequest], mode: str, concurrency
     return await run_trace_replay(url, requests, replay_scale, progress=False, timeout_s=600)
 
 
+def steady_rates(results: list[RequestResult], slo_ttft: float, slo_tpot: float
+                 ) -> dict[str, float | None]:
+    """QPM and goodput QPM between the 10th and 90th percentile completion: the rate while the
+    load is on, without the ramp-up and the drain of a finite run (model time)."""
+    ends = sorted((r.end, r.ok and r.ttft is not None and r.ttft <= slo_ttft
+                   and (r.tpot is None or r.tpot <= slo_tpot)) for r in results)
+    if len(ends) < 10:
+        return {"steady_qpm": None, "steady_goodput_qpm": None}
+    lo, hi = ends[len(ends) // 10][0], ends[(9 * len(ends)) // 10][0]
+    inside = [good for end, good in ends if lo < end <= hi]
+    span = max(hi - lo, 1e-9) / 60.0
+    return {"steady_qpm": len(inside) / span, "steady_goodput_qpm": sum(inside) / span}
+
+
 def run_target(target: Target, cluster: EmulatedCluster, workloads: list[dict[str, Any]],
                args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
     port = free_port()
@@ -154,6 +168,7 @@ def run_target(target: Target, cluster: EmulatedCluster, workloads: list[dict[st
         access.unlink(missing_ok=True)
         router = start_router(command, port, log_dir / f"{target.name.replace(':', '_')}.log")
         state: dict[str, Any] = {}
+        busy_before = cluster.prefill_busy_s()
         try:
             results, duration = asyncio.run(run_one(
                 f"http://127.0.0.1:{port}", wl["requests"], wl["mode"], wl["concurrency"],
@@ -162,7 +177,11 @@ def run_target(target: Target, cluster: EmulatedCluster, workloads: list[dict[st
                 state = router_state(port)
         finally:
             router.stop()
+        busy = [b - a for a, b in zip(busy_before, cluster.prefill_busy_s(), strict=True)]
         model = to_model_time(results, args.time_scale)
+        timeline = log_dir / "requests" / f"{target.name.replace(':', '_')}.{wl['name']}.c{wl['concurrency']}.json"
+        timeline.parent.mkdir(parents=True, exist_ok=True)  # per request, for a closer look
+        timeline.write_text(json.dumps([(r.start, r.end, r.ttft, r.prompt_tokens) for r in model]))
         summary = summarize(model, duration / args.time_scale, args.slo_ttft, args.slo_tpot)
         ok = [r for r in model if r.ok]
         row = {"target": target.name, "workload": wl["name"], "concurrency": wl["concurrency"],
@@ -171,7 +190,10 @@ def run_target(target: Target, cluster: EmulatedCluster, workloads: list[dict[st
                "errors": [r.error for r in model if not r.ok][:3],
                "slo_share": (sum(1 for r in ok if r.ttft is not None and r.ttft <= args.slo_ttft
                                  and (r.tpot is None or r.tpot <= args.slo_tpot))
-                             / max(1, len(model)))}
+                             / max(1, len(model))),
+               # share of the run each prefill worker was computing (idle time costs throughput)
+               "prefill_busy_share": [round(b / duration, 4) for b in busy],
+               **steady_rates(model, args.slo_ttft, args.slo_tpot)}
         if target.router == "omni":
             time.sleep(1.2)  # the access log is flushed about every second
             row["prediction"] = prediction_match(access)
@@ -185,6 +207,8 @@ def run_target(target: Target, cluster: EmulatedCluster, workloads: list[dict[st
               f"QPM {s['requests_per_minute']:7.1f}  goodput {s['goodput_requests_per_minute']:7.1f}"
               f"  TTFT p50/p99 {s['median_ttft_ms'] or 0:7.0f}/{s['p99_ttft_ms'] or 0:7.0f} ms"
               f"  TPOT p50 {s['median_tpot_ms'] or 0:5.1f} ms  err {s['errors']}"
+              f"  prefill busy {sum(row['prefill_busy_share']) / max(1, len(busy)):.0%}"
+              f"  steady QPM {row['steady_qpm'] or 0:.0f} goodput {row['steady_goodput_qpm'] or 0:.0f}"
               + (f"  released {row['released']}" if row.get("released") else ""), flush=True)
     return rows
 

@@ -65,3 +65,18 @@ def test_a_single_run_passes_through() -> None:
     assert "per repeat" not in report.criteria_text(crit)
     table = report.tables(one, {"ablation_concurrency": 96})
     assert "median of" not in table and "900" in table
+
+
+def test_a_variant_is_judged_by_the_same_criteria_and_reported_beside_oas(tmp_path: Path) -> None:
+    variant = [dict(r, target="omni:oas_goodput",
+                    summary=dict(r["summary"], goodput_requests_per_minute=2 * r["summary"][
+                        "goodput_requests_per_minute"]))
+               for r in RUNS if r["target"] == "omni:oas"]
+    crit = report.criteria(RUNS + variant, ours="omni:oas_goodput")
+    assert crit["ours"] == "omni:oas_goodput"
+    assert crit["paper"]["vs_rr_per_repeat"] == [3.0, 4.0, 3.2]
+    assert crit["paper"]["ranking"][0] == "omni:oas_goodput"
+    assert "`oas_goodput` goodput / sglang round_robin" in report.criteria_text(crit)
+    assert report.criteria(RUNS)["paper"]["vs_rr"] == 1.6  # omni:oas is unaffected
+    text = report.write_report(RUNS + variant, {"ablation_concurrency": 96}, tmp_path, None)
+    assert "criteria for omni:oas.\n" in text and "criteria for omni:oas_goodput.\n" in text

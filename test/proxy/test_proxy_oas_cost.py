@@ -160,3 +160,30 @@ def test_a_variant_can_only_change_existing_switches() -> None:
         oas._variant("oas_typo", deferr=False)
     assert oas.OASNoDefer.defer is False and oas.OASPolicy.defer is True
     assert oas.OASNoDefer.name == "oas_no_defer"
+
+
+def test_goodput_and_moore_hodgson_variants_reach_the_queue() -> None:
+    from omniinfer.proxy.deferral import Waiting
+    from omniinfer.proxy.policies.oas import OASGoodput, OASMooreHodgson
+
+    def make(cls: type[OASPolicy], slo: float) -> OASPolicy:
+        return cls(PolicyContext(RouterConfig(oas_ttft_slo_secs=slo), PrefixIndex(), Role.PREFILL))
+
+    oas, goodput = make(OASPolicy, 10.0), make(OASGoodput, 10.0)
+    clock = InstanceClock("w")  # no cycle measured yet: the 0.2 s default
+    assert oas.queue.max_hold([clock]) == pytest.approx(0.2 * (1 + 8))
+    assert goodput.queue.max_hold([clock]) == pytest.approx(0.2 * (1 + 32))
+    old_long, new_short = Waiting("old_long", 5000, 0.5, 0.0), Waiting("new_short", 100, 0.01, 2.9)
+    # 3 s of waiting outweigh 2 × 0.49 s of extra compute for oas, not for shortest-first
+    assert [w.key for w in oas.queue.order([old_long, new_short], 3.0)] == ["old_long", "new_short"]
+    assert [w.key for w in goodput.queue.order([old_long, new_short], 3.0)] == [
+        "new_short", "old_long"]
+    # Moore–Hodgson reads the work already sent to the instances from their clocks
+    mh = make(OASMooreHodgson, 1.0)
+    older, newer = Waiting("older", 3000, 0.3, 0.0), Waiting("newer", 100, 0.1, 0.05)
+    mh.clocks["w"] = clock
+    assert [w.key for w in mh.queue.order([newer, older], 0.1)] == ["older", "newer"]
+    clock.model.seed_per_token(1e-4 * MIN_SEED_TOKENS, MIN_SEED_TOKENS)
+    clock.on_sent("x", 7000, 0.1)  # about 0.7 s queued there: "older" can no longer make it
+    assert clock.queue_seconds(0.1) > 0.6
+    assert [w.key for w in mh.queue.order([newer, older], 0.1)] == ["newer", "older"]

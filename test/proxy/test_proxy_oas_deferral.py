@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 
 import pytest
@@ -14,6 +15,7 @@ from omniinfer.proxy.deferral import (
     Waiting,
     get_order,
     slo_first,
+    slo_sacrifice,
     upstream_weights,
 )
 
@@ -282,3 +284,138 @@ def test_bound_and_starvation_freedom_hold_with_work_conservation(seed: int) -> 
         held += [now - arrivals[r.item.key] for r in out]
     assert len(held) == 300 and {"starved", "overdue"} <= reasons
     assert max(held) <= bound + 1e-9
+
+
+def test_gated_overdue_requests_wait_for_an_open_instance_and_go_first() -> None:
+    """With ``overdue_gate_cycles`` an overdue request is not forced onto a busy instance: it
+    takes the next one that opens, ahead of shorter fresh requests, and is forced only at the
+    later bound."""
+    inst = FakeInstance("a", backlog=10.0, cycle=0.1)
+    opts = DeferralOptions(bound_cycles=3.0, overdue_gate_cycles=2.0)
+    q = DeferredQueue(get_order("shortest_first"), ttft, opts)
+    assert q.overdue_after([inst]) == pytest.approx(0.4)
+    assert q.max_hold([inst]) == pytest.approx(0.6)
+    q.push(item("long", 1.0, 0.0))
+    assert q.pump(0.45, [inst]) == []  # overdue, but nothing is open: it waits
+    q.push(item("short", 0.001, 0.45))
+    inst.idle = True  # one slot opens: the overdue one takes it, not the shorter fresh one
+    out = q.pump(0.5, [inst], lambda r: setattr(inst, "idle", False))
+    assert [(r.item.key, r.reason) for r in out] == [("long", "idle")]
+    assert q.pump(0.9, [inst]) == []  # "short" waited 0.45 s: overdue, gated
+    out = q.pump(1.05, [inst])  # 0.6 s: forced
+    assert [(r.item.key, r.reason) for r in out] == [("short", "overdue")]
+    # without the gate, an overdue request goes at once, whatever the instance's state
+    plain = DeferredQueue(get_order("shortest_first"), ttft, DeferralOptions(bound_cycles=3.0))
+    plain.push(item("long", 1.0, 0.0))
+    assert [r.reason for r in plain.pump(0.45, [inst])] == ["overdue"]
+
+
+def _overloaded_shortest_first(seed: int, opts: DeferralOptions
+                               ) -> tuple[list[tuple[str, str, float]], float, float]:
+    """300 arrivals; at each, 0, 1 or 2 slots open (capacity equal to the load, in bursts, so
+    a queue comes and goes); shortest first. Returns (key, reason, held) per release, the bound
+    and the overdue age."""
+    rng = random.Random(seed)
+    inst = FakeInstance("a", backlog=10.0, cycle=0.2)
+    q = DeferredQueue(get_order("shortest_first"), ttft, opts, rng)
+    now, arrivals, held, slots = 0.0, {}, [], [0]
+
+    def take(r: Release) -> None:
+        slots[0] = max(0, slots[0] - 1)
+        inst.idle = slots[0] > 0
+        held.append((r.item.key, r.reason, now - arrivals[r.item.key]))
+
+    for i in range(300):
+        arrival = now + rng.expovariate(10.0)
+        wake = q.next_wakeup(now, [inst])
+        while wake is not None and wake <= arrival:
+            now = wake
+            q.pump(now, [inst], take)
+            wake = q.next_wakeup(now, [inst])
+        now = arrival
+        key = f"r{i}"
+        q.push(item(key, rng.choice([0.001, 0.5]), now))
+        arrivals[key] = now
+        slots[0] += rng.choice([0, 1, 2])
+        inst.idle = slots[0] > 0
+        q.pump(now, [inst], take)
+    inst.idle = False
+    while len(q):
+        now = q.next_wakeup(now, [inst])
+        q.pump(now, [inst], take)
+    return held, q.max_hold([inst]), q.overdue_after([inst])
+
+
+def test_gated_overdue_keeps_the_later_bound_and_forces_fewer_releases() -> None:
+    """Long requests would starve under shortest-first without the bound. With the gate they
+    still all leave within ``max_hold``, and fewer of them are pushed onto a busy instance than
+    when overdue means "release at once" (summed over eight random runs)."""
+    forced = plain_forced = through_gate = 0
+    for seed in range(8):
+        gated, bound, aged = _overloaded_shortest_first(
+            seed, DeferralOptions(bound_cycles=3.0, overdue_gate_cycles=3.0))
+        plain, plain_bound, _ = _overloaded_shortest_first(seed, DeferralOptions(bound_cycles=3.0))
+        assert len(gated) == len(plain) == 300 and bound > plain_bound
+        assert max(h for *_, h in gated) <= bound + 1e-9
+        assert max(h for *_, h in plain) <= plain_bound + 1e-9
+        through_gate += sum(h >= aged - 1e-9 and r != "overdue" for _, r, h in gated)
+        forced += sum(r == "overdue" for _, r, _ in gated)
+        plain_forced += sum(r == "overdue" for _, r, _ in plain)
+    assert through_gate > 50  # overdue ones took open slots ahead of fresh short ones
+    assert plain_forced > 20 and forced < 0.7 * plain_forced
+
+
+def _on_time(order: list[Waiting], now: float, slo: float, servers: int = 1) -> int:
+    """Requests within the objective when served in this order by ``servers`` equal machines
+    (each next request to the machine free first)."""
+    free = [0.0] * servers
+    count = 0
+    for w in order:
+        i = min(range(servers), key=free.__getitem__)
+        free[i] += w.work
+        count += (now - w.arrival) + free[i] <= slo + 1e-12
+    return count
+
+
+def test_slo_sacrifice_is_first_come_first_served_when_everything_fits() -> None:
+    order = slo_sacrifice(2.0, lambda now: (2, 0.0))
+    items = [item(f"r{i}", 0.1, 0.01 * (9 - i)) for i in range(10)]
+    assert [w.key for w in order(items, 0.2)] == [f"r{i}" for i in reversed(range(10))]
+
+
+def test_slo_sacrifice_gives_up_the_long_request_that_would_make_the_others_late() -> None:
+    long, shorts = item("long", 1.5, 0.0), [item(f"s{i}", 0.2, 0.1 * (i + 1)) for i in range(4)]
+    lost = item("lost", 0.1, -3.0)  # already past the objective
+    keys = [w.key for w in slo_sacrifice(2.0, lambda now: (1, 0.0))([lost, long, *shorts], 0.5)]
+    assert keys == ["s0", "s1", "s2", "s3", "lost", "long"]
+    fifo = get_order("fifo")([long, *shorts], 0.5)
+    assert _on_time(fifo, 0.5, 2.0) == 1  # served first, the long one makes every short one late
+    kept = [w for w in slo_sacrifice(2.0, lambda now: (1, 0.0))([long, *shorts], 0.5)]
+    assert _on_time(kept, 0.5, 2.0) == 4
+
+
+def test_slo_sacrifice_keeps_the_most_requests_possible_on_one_machine() -> None:
+    """Against every subset of small random queues: as many on time as the best schedule."""
+    rng = random.Random(7)
+    for _ in range(200):
+        now, slo = 1.0, rng.uniform(0.5, 2.0)
+        items = [item(f"r{i}", rng.choice([0.05, 0.2, 0.6, 1.2]), rng.uniform(-0.5, 1.0))
+                 for i in range(6)]
+        best = 0
+        for k in range(len(items), 0, -1):
+            if any(_on_time(sorted(sub, key=lambda w: w.arrival), now, slo) == k
+                   for sub in itertools.combinations(items, k)):
+                best = k
+                break
+        ordered = slo_sacrifice(slo, lambda now: (1, 0.0))(items, now)
+        assert _on_time(ordered, now, slo) == best
+        assert sorted(w.key for w in ordered) == sorted(w.key for w in items)
+
+
+def test_slo_sacrifice_counts_the_backlog_already_sent() -> None:
+    items = [item("a", 0.2, 0.9), item("b", 0.2, 0.95)]
+    assert [w.key for w in slo_sacrifice(1.0, lambda now: (1, 0.0))(items, 1.0)] == ["a", "b"]
+    # 0.7 s already queued at the instance: only one of the two can still make it
+    # (of two equal ones, the one given up is the one the heap holds first: the older)
+    keys = [w.key for w in slo_sacrifice(1.0, lambda now: (1, 0.7))(items, 1.0)]
+    assert keys == ["b", "a"]

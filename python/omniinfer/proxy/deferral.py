@@ -8,6 +8,10 @@ boundary, or it has nothing at all — so the next batch is formed from the best
 that moment, and late arrivals can overtake. A request whose best instance is busy stays, and the
 walk goes on (a short request can pass a long one). No starvation: a request that has waited one
 predicted batch cycle plus ``bound_cycles`` cycles is released at once to its best instance.
+With ``overdue_gate_cycles`` > 0 such a request is not pushed past the gate at once: it goes to
+the head of the walk (oldest first) and takes the next instance that opens, and is forced out
+only after that many cycles more — so requests that reach the bound together do not land on
+busy instances in one burst. The guarantee is then ``max_hold`` = cycle × (1 + bound + gate).
 
 Work conservation: the prediction may be wrong, and a wrong "busy" would leave an instance
 without work while requests wait here. An optional ``starved`` test says an instance is short of
@@ -22,6 +26,7 @@ returns.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -126,10 +131,53 @@ def slo_first(order: Order, slo_s: float) -> Order:
     return ordered
 
 
+# (now) -> (instances working in parallel, predicted seconds of work already sent to each)
+Capacity = Callable[[float], tuple[int, float]]
+
+
+def slo_sacrifice(slo_s: float, capacity: Capacity) -> Order:
+    """Most requests within a TTFT objective: Moore–Hodgson over the waiting queue.
+
+    The instances are treated as one machine ``n`` times as fast. In deadline order (oldest
+    first: every request has the same objective) the queue's predicted finish times are
+    accumulated; whenever one would finish past its deadline, the longest request kept so far
+    is given up — it goes after the others — which is the rule that maximises the number of
+    requests on time on one machine. Given-up requests and those already past the objective
+    follow, oldest first; the hold bound still releases them in time. Under light load nothing
+    is given up and this is first come, first served.
+    """
+
+    def ordered(items: Sequence[Waiting], now: float) -> list[Waiting]:
+        servers, backlog = capacity(now)
+        servers = max(1, servers)
+        kept: list[Waiting] = []
+        heap: list[tuple[float, float, str]] = []  # (-work, arrival, key): the longest on top
+        dropped: set[str] = set()
+        late: list[Waiting] = []
+        finish = max(0.0, backlog)
+        for w in sorted(items, key=lambda w: (w.arrival, w.key)):
+            if (now - w.arrival) + w.work > slo_s:
+                late.append(w)
+                continue
+            kept.append(w)
+            heapq.heappush(heap, (-w.work, w.arrival, w.key))
+            finish += w.work / servers
+            if (now - w.arrival) + finish + w.work * (1.0 - 1.0 / servers) > slo_s:
+                work, _, key = heapq.heappop(heap)
+                dropped.add(key)
+                finish += work / servers  # work is negative: the finish time moves earlier
+        given_up = [w for w in kept if w.key in dropped]
+        return ([w for w in kept if w.key not in dropped]
+                + sorted(given_up + late, key=lambda w: w.arrival))
+
+    return ordered
+
+
 @dataclasses.dataclass(frozen=True)
 class DeferralOptions:
     lead_fraction: float = 1.0  # release when the backlog is within this share of a cycle
-    bound_cycles: float = 8.0  # held at most one cycle + this many cycles
+    bound_cycles: float = 8.0  # after one cycle + this many: overdue
+    overdue_gate_cycles: float = 0.0  # overdue ones wait this many cycles more for an open instance
     default_cycle: float = 0.2  # seconds, until a cycle has been measured
     min_cycle: float = 1e-3
 
@@ -179,9 +227,14 @@ class DeferredQueue:
         cycles = [i.cycle_seconds(o.default_cycle) for i in instances] or [o.default_cycle]
         return max(o.min_cycle, sum(cycles) / len(cycles))
 
-    def max_hold(self, instances: Sequence[Instance]) -> float:
-        """The longest any request stays: one predicted batch cycle plus the bound."""
+    def overdue_after(self, instances: Sequence[Instance]) -> float:
+        """Waiting this long makes a request overdue: one predicted batch cycle plus the bound."""
         return self.cycle(instances) * (1.0 + self.options.bound_cycles)
+
+    def max_hold(self, instances: Sequence[Instance]) -> float:
+        """The longest any request stays: overdue, plus the wait for an open instance, if any."""
+        o = self.options
+        return self.cycle(instances) * (1.0 + o.bound_cycles + o.overdue_gate_cycles)
 
     def lead(self, instance: Instance) -> float:
         o = self.options
@@ -217,12 +270,15 @@ class DeferredQueue:
         if not self.items or not instances:
             return []
         hold = self.max_hold(instances)
-        overdue = [w for w in self.items.values() if now - w.arrival >= hold - 1e-9]
-        overdue.sort(key=lambda w: w.arrival)
-        overdue_keys = {w.key for w in overdue}
-        rest = self.order([w for w in self.items.values() if w.key not in overdue_keys], now)
+        aged = self.overdue_after(instances)
+        forced = [w for w in self.items.values() if now - w.arrival >= hold - 1e-9]
+        gated = [w for w in self.items.values() if aged - 1e-9 <= now - w.arrival < hold - 1e-9]
+        forced.sort(key=lambda w: w.arrival)
+        gated.sort(key=lambda w: w.arrival)
+        first = {w.key for w in forced} | {w.key for w in gated}
+        rest = gated + self.order([w for w in self.items.values() if w.key not in first], now)
         out: list[Release] = []
-        for item in overdue:
+        for item in forced:
             found = self.best(item, instances, now)
             if found is not None:
                 out.append(self._release(item, found[0], "overdue", found[1], on_release))

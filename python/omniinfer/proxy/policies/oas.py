@@ -23,8 +23,12 @@ The ablations are the same policy with one part switched off, registered beside 
 ``oas_no_defer`` (released at once to the best instance), ``oas_no_resort`` (arrival order),
 ``oas_no_cache`` (the estimate ignores the cache), ``oas_no_lpt`` (decode in arrival order),
 ``oas_jit_only`` (the prediction alone opens an instance: no work conservation),
-``oas_no_slo`` (ignores ``--oas-ttft-slo-secs``); ``oas_sjf`` is a variant that orders by
-predicted compute alone (no aging; the hold bound protects long requests).
+``oas_no_slo`` (ignores ``--oas-ttft-slo-secs``). Variants: ``oas_sjf`` orders by predicted
+compute alone (no aging; the hold bound protects long requests); ``oas_mh`` gives up, by the
+Moore–Hodgson rule, the longest requests that would make others miss the objective;
+``oas_goodput`` is ``oas_sjf`` with a hold bound of 32 cycles instead of 8 — for SLO goodput
+under overload at the cost of the tail (with 8 cycles, about one model second at the paper
+load, most requests reached the bound and shortest-first fell back to oldest-first).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from omniinfer.proxy.deferral import (
     Waiting,
     get_order,
     slo_first,
+    slo_sacrifice,
 )
 from omniinfer.proxy.oas_cost import InstanceClock, TransferModel, predicted_ttft
 from omniinfer.proxy.policies._deferred import DeferringPolicy
@@ -54,20 +59,35 @@ class OASPolicy(DeferringPolicy):
     use_cache: ClassVar[bool] = True
     work_conserving: ClassVar[bool] = True  # a reported-empty instance is open (one batch)
     slo_aware: ClassVar[bool] = True  # honour --oas-ttft-slo-secs when given
+    queue_batches: ClassVar[float] = 2.0  # an instance is short of work below this many batches
+    overdue_gate_cycles: ClassVar[float] = 0.0  # see DeferralOptions
+    slo_rule: ClassVar[str] = "first"  # "first": slo_first; "sacrifice": Moore–Hodgson
+    bound_cycles: ClassVar[float | None] = None  # None: --oas-hold-bound-cycles' value (8)
     transfer = TransferModel()  # the same for every prefill instance of one decode pool
 
     def make_queue(self) -> DeferredQueue:
         config = self.context.config
         options = DeferralOptions(
             lead_fraction=float(getattr(config, "oas_lead_fraction", 1.0)),
-            bound_cycles=float(getattr(config, "oas_hold_bound_cycles", 8.0)))
+            bound_cycles=(self.bound_cycles if self.bound_cycles is not None
+                          else float(getattr(config, "oas_hold_bound_cycles", 8.0))),
+            overdue_gate_cycles=self.overdue_gate_cycles)
         gate = None if self.defer else (lambda inst, now: True)
         starved = self._starved if self.work_conserving else None
         order = get_order(self.order_name)
         slo = getattr(config, "oas_ttft_slo_secs", None) if self.slo_aware else None
-        if slo:
+        if slo and self.slo_rule == "sacrifice":
+            order = slo_sacrifice(float(slo), self._capacity)
+        elif slo:
             order = slo_first(order, float(slo))
         return DeferredQueue(order, self.estimate, options, self.rng, gate, starved=starved)
+
+    def _capacity(self, now: float) -> tuple[int, float]:
+        """Prefill instances and the mean predicted seconds already sent to each."""
+        clocks = list(self.clocks.values())
+        if not clocks:
+            return 1, 0.0
+        return len(clocks), sum(c.queue_seconds(now) for c in clocks) / len(clocks)
 
     def _starved(self, inst: Instance, now: float) -> bool:
         """Would run short of work: reported empty, or less than ``queue_batches`` batches of
@@ -80,7 +100,7 @@ class OASPolicy(DeferringPolicy):
         config = self.context.config
         batch = max(inst.batch_tokens or 0.0,
                     float(getattr(config, "oas_batch_tokens", DEFAULT_BATCH_TOKENS)))
-        depth = float(getattr(config, "oas_queue_batches", 2.0)) * batch
+        depth = self.queue_batches * batch
         return inst.starved() or inst.backlog_tokens() < depth
 
     def on_loads(self, worker: Worker) -> None:
@@ -120,3 +140,5 @@ OASNoLPT = _variant("oas_no_lpt", lpt=False)
 OASShortestFirst = _variant("oas_sjf", order_name="shortest_first")
 OASNoSLO = _variant("oas_no_slo", slo_aware=False)
 OASJitOnly = _variant("oas_jit_only", work_conserving=False)
+OASMooreHodgson = _variant("oas_mh", slo_rule="sacrifice")
+OASGoodput = _variant("oas_goodput", order_name="shortest_first", bound_cycles=32.0)
