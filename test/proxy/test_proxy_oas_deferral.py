@@ -310,6 +310,21 @@ def test_gated_overdue_requests_wait_for_an_open_instance_and_go_first() -> None
     assert [r.reason for r in plain.pump(0.45, [inst])] == ["overdue"]
 
 
+def test_gated_overdue_request_takes_the_open_instance_rather_than_wait_for_its_best() -> None:
+    best, other = FakeInstance("best", backlog=10.0, cycle=0.1), FakeInstance("other", cycle=0.1)
+
+    def prefers_best(w: Waiting, inst: FakeInstance, now: float) -> float:
+        return 0.0 if inst.key == "best" else 1.0  # e.g. its prefix is cached there
+
+    opts = DeferralOptions(bound_cycles=3.0, overdue_gate_cycles=2.0)
+    q = DeferredQueue(get_order("fifo"), prefers_best, opts)
+    q.push(item("x", 0.1, 0.0))
+    assert q.pump(0.1, [best, other]) == []  # not overdue yet: it waits for its best instance
+    other.idle = True
+    out = q.pump(0.45, [best, other])  # overdue: the open instance takes it
+    assert [(r.item.key, r.instance.key, r.reason) for r in out] == [("x", "other", "idle")]
+
+
 def _overloaded_shortest_first(seed: int, opts: DeferralOptions
                                ) -> tuple[list[tuple[str, str, float]], float, float]:
     """300 arrivals; at each, 0, 1 or 2 slots open (capacity equal to the load, in bursts, so

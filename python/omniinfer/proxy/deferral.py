@@ -275,7 +275,8 @@ class DeferredQueue:
         gated = [w for w in self.items.values() if aged - 1e-9 <= now - w.arrival < hold - 1e-9]
         forced.sort(key=lambda w: w.arrival)
         gated.sort(key=lambda w: w.arrival)
-        first = {w.key for w in forced} | {w.key for w in gated}
+        aged_keys = {w.key for w in gated}
+        first = {w.key for w in forced} | aged_keys
         rest = gated + self.order([w for w in self.items.values() if w.key not in first], now)
         out: list[Release] = []
         for item in forced:
@@ -290,7 +291,9 @@ class DeferredQueue:
             open_now = [i for i in instances if is_open[id(i)]]
             if not open_now:
                 break
-            found = self.best(item, open_now if self.choose_among_open else instances, now)
+            # an overdue request takes the best instance that is open now, not its best overall
+            among_open = self.choose_among_open or item.key in aged_keys
+            found = self.best(item, open_now if among_open else instances, now)
             reason = None if found is None else self._reason(found[0], now, is_open[id(found[0])])
             if reason is None:  # its best instance is busy: an instance short of work takes it
                 starved = [i for i in instances if is_starved[id(i)]]
