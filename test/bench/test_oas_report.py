@@ -6,6 +6,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "proxy"))
 
 import report  # noqa: E402
@@ -80,3 +82,24 @@ def test_a_variant_is_judged_by_the_same_criteria_and_reported_beside_oas(tmp_pa
     assert report.criteria(RUNS)["paper"]["vs_rr"] == 1.6  # omni:oas is unaffected
     text = report.write_report(RUNS + variant, {"ablation_concurrency": 96}, tmp_path, None)
     assert "criteria for omni:oas.\n" in text and "criteria for omni:oas_goodput.\n" in text
+
+
+def test_steady_rates_leave_out_the_ramp_and_the_drain() -> None:
+    import oas_eval  # noqa: E402  (benchmark/proxy is on the path above)
+
+    from omniinfer.bench.client import RequestResult
+
+    # 100 completions, one per model second from t=1 to t=100; the last ten take 10 s each
+    # (a drain) and every fourth misses the TTFT objective
+    done = [RequestResult(index=i, prompt_tokens=10, requested_output_tokens=1, output_tokens=1,
+                          ttft=3.0 if i % 4 == 0 else 0.5, start=0.0,
+                          end=float(i + 1) if i < 90 else 90.0 + 10.0 * (i - 89))
+            for i in range(100)]
+    rates = oas_eval.steady_rates(done, slo_ttft=2.0, slo_tpot=0.05)
+    # the window is (11 s, 100 s] — the 11th and the 91st completion: requests 11..90, of
+    # which 20 (every fourth) missed the objective; 80 completions in 89 s
+    assert rates["steady_qpm"] == pytest.approx(80 / (89 / 60))
+    assert rates["steady_goodput_qpm"] == pytest.approx(60 / (89 / 60))
+    whole = 100 / (max(r.end for r in done) / 60.0)
+    assert whole < 0.6 * rates["steady_qpm"]  # the 90 s drain costs the whole-run rate 40 %
+    assert oas_eval.steady_rates(done[:5], 2.0, 0.05)["steady_qpm"] is None
