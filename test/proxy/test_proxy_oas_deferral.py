@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -68,6 +69,40 @@ def test_slo_first_puts_requests_that_can_still_make_it_ahead_of_lost_ones() -> 
     assert [w.key for w in get_order("short_old_first")([lost, fresh_short], 2.5)][0] == "lost"
 
 
+def _drive(q: DeferredQueue, inst: FakeInstance, rng: random.Random, rate: float,
+           works: tuple[float, ...], opens: Callable[[int], None], taken: Callable[[], None]
+           ) -> list[tuple[str, str, float]]:
+    """300 Poisson arrivals at ``rate`` with random work from ``works`` to one instance; the
+    queue is pumped at each arrival (after ``opens(i)`` may free a slot) and whenever it asks
+    to be woken, then drained. ``taken`` runs at each release. Returns (key, reason, held)."""
+    clock, arrivals, held = [0.0], {}, []
+
+    def take(r: Release) -> None:
+        taken()
+        held.append((r.item.key, r.reason, clock[0] - arrivals[r.item.key]))
+
+    for i in range(300):
+        arrival = clock[0] + rng.expovariate(rate)
+        wake = q.next_wakeup(clock[0], [inst])
+        while wake is not None and wake <= arrival:
+            clock[0] = wake
+            q.pump(wake, [inst], take)
+            wake = q.next_wakeup(wake, [inst])
+        clock[0] = arrival
+        key = f"r{i}"
+        q.push(item(key, rng.choice(works), arrival))
+        arrivals[key] = arrival
+        opens(i)
+        q.pump(arrival, [inst], take)
+    inst.idle = False
+    while len(q):
+        wake = q.next_wakeup(clock[0], [inst])
+        assert wake is not None  # something waits, so a release is due some time
+        clock[0] = wake
+        q.pump(wake, [inst], take)
+    return held
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_slo_first_keeps_the_hold_bound(seed: int) -> None:
     """Overloaded: one slot opens per arrival, half the requests arrive; the lost ones go last,
@@ -77,29 +112,14 @@ def test_slo_first_keeps_the_hold_bound(seed: int) -> None:
     inst = FakeInstance("a", backlog=10.0, cycle=0.2)
     q = DeferredQueue(slo_first(get_order("short_old_first"), 0.3), ttft, opts, rng)
     bound = q.max_hold([inst])
-    now, arrivals, held = 0.0, {}, []
 
-    def take(r: Release) -> None:
-        inst.idle = False  # one slot per opening
-        held.append((r.item.key, r.reason, now - arrivals[r.item.key]))
+    def opens(i: int) -> None:
+        inst.idle = i % 2 == 0  # one slot at every second arrival
 
-    for i in range(300):
-        arrival = now + rng.expovariate(40.0)
-        wake = q.next_wakeup(now, [inst])
-        while wake is not None and wake <= arrival:
-            now = wake
-            q.pump(now, [inst], take)
-            wake = q.next_wakeup(now, [inst])
-        now = arrival
-        key = f"r{i}"
-        q.push(item(key, rng.choice([0.001, 0.04]), now))
-        arrivals[key] = now
-        inst.idle = i % 2 == 0
-        q.pump(now, [inst], take)
-    inst.idle = False
-    while len(q):
-        now = q.next_wakeup(now, [inst])
-        q.pump(now, [inst], take)
+    def taken() -> None:
+        inst.idle = False
+
+    held = _drive(q, inst, rng, 40.0, (0.001, 0.04), opens, taken)
     assert len(held) == 300 and max(h for *_, h in held) <= bound + 1e-9
     fresh = [h for _, reason, h in held if reason == "idle"]
     assert len(fresh) >= 140 and sum(h <= 0.3 for h in fresh) / len(fresh) > 0.9
@@ -333,31 +353,17 @@ def _overloaded_shortest_first(seed: int, opts: DeferralOptions
     rng = random.Random(seed)
     inst = FakeInstance("a", backlog=10.0, cycle=0.2)
     q = DeferredQueue(get_order("shortest_first"), ttft, opts, rng)
-    now, arrivals, held, slots = 0.0, {}, [], [0]
+    slots = [0]
 
-    def take(r: Release) -> None:
-        slots[0] = max(0, slots[0] - 1)
-        inst.idle = slots[0] > 0
-        held.append((r.item.key, r.reason, now - arrivals[r.item.key]))
-
-    for i in range(300):
-        arrival = now + rng.expovariate(10.0)
-        wake = q.next_wakeup(now, [inst])
-        while wake is not None and wake <= arrival:
-            now = wake
-            q.pump(now, [inst], take)
-            wake = q.next_wakeup(now, [inst])
-        now = arrival
-        key = f"r{i}"
-        q.push(item(key, rng.choice([0.001, 0.5]), now))
-        arrivals[key] = now
+    def opens(i: int) -> None:
         slots[0] += rng.choice([0, 1, 2])
         inst.idle = slots[0] > 0
-        q.pump(now, [inst], take)
-    inst.idle = False
-    while len(q):
-        now = q.next_wakeup(now, [inst])
-        q.pump(now, [inst], take)
+
+    def taken() -> None:
+        slots[0] = max(0, slots[0] - 1)
+        inst.idle = slots[0] > 0
+
+    held = _drive(q, inst, rng, 10.0, (0.001, 0.5), opens, taken)
     return held, q.max_hold([inst]), q.overdue_after([inst])
 
 

@@ -271,13 +271,17 @@ class DeferredQueue:
             return []
         hold = self.max_hold(instances)
         aged = self.overdue_after(instances)
-        forced = [w for w in self.items.values() if now - w.arrival >= hold - 1e-9]
-        gated = [w for w in self.items.values() if aged - 1e-9 <= now - w.arrival < hold - 1e-9]
+        forced: list[Waiting] = []  # past the hold bound: released at once
+        gated: list[Waiting] = []  # overdue: first in the walk, oldest first
+        fresh: list[Waiting] = []
+        for w in self.items.values():
+            waited = now - w.arrival
+            (forced if waited >= hold - 1e-9 else gated if waited >= aged - 1e-9
+             else fresh).append(w)
         forced.sort(key=lambda w: w.arrival)
         gated.sort(key=lambda w: w.arrival)
         aged_keys = {w.key for w in gated}
-        first = {w.key for w in forced} | aged_keys
-        rest = gated + self.order([w for w in self.items.values() if w.key not in first], now)
+        rest = gated + self.order(fresh, now)
         out: list[Release] = []
         for item in forced:
             found = self.best(item, instances, now)

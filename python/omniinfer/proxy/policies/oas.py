@@ -5,8 +5,8 @@ queue time + batch time of its *uncached* tokens (the APC match) + KV transfer, 
 model each instance learns online from its own measured batches (``oas_cost``); exact ties are
 broken at random. Requests wait in the proxy, short-and-old first (with ``--oas-ttft-slo-secs``,
 those that can still meet the objective before those that no longer can), and go to their
-instance just before its next predicted batch boundary; none waits more than one predicted cycle plus a bound
-(``deferral``). The release is work-conserving: an instance is *short of work* — whatever the
+instance just before its next predicted batch boundary; none waits more than one predicted
+cycle plus a bound (``deferral``). The release is work-conserving: an instance is *short of work* — whatever the
 model predicts — while less than two batches of tokens sent to it are not back, or when its own
 /v1/loads report shows nothing waiting (one batch of credit); it is open, and a request whose
 best instance is busy goes to the best instance short of work instead of waiting. So a model
