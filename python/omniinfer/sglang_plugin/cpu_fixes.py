@@ -1,9 +1,18 @@
-"""Two fixes that make expert parallelism (``--tp 2 --ep 2``) work on the CPU engine.
+"""Scheduler-side fixes for the CPU engine.
+
+Expert parallelism (``--tp 2 --ep 2``):
 
 1. SGLang picks the pynccl communicator by platform, not by device, so on CPU it tries NCCL
    (``Expected a cuda device, but got: cpu``). On the CPU engine every group is built without it.
 2. SGLang's native MoE path cannot take the -1 ids of experts held by another rank; those
    calls go to :func:`omniinfer.cpu.moe_native.masked_moe_forward`.
+
+PD disaggregation over Mooncake's TCP transport (only when the launcher set
+:data:`omniinfer.cpu.server_defaults.PD_MOONCAKE_ENV`):
+
+3. Mooncake's KV sender announces that it takes page indices as a host tensor; the prefill
+   scheduler then stages them through pinned memory and a ``torch.cuda.Event``. On the CPU engine
+   each sender says no, so the scheduler hands it NumPy indices.
 
 Registered only when :func:`omniinfer.cpu.detect.cpu_engine_active` is true.
 """
@@ -11,13 +20,16 @@ Registered only when :func:`omniinfer.cpu.detect.cpu_engine_active` is true.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookType
 
 from omniinfer.cpu.moe_native import masked_moe_forward
+from omniinfer.cpu.server_defaults import PD_MOONCAKE_ENV
 from omniinfer.cpu.torch_compat import patch_torch
+from omniinfer.sglang_plugin import hooks
 
 logger = logging.getLogger("omniinfer")
 
@@ -25,6 +37,7 @@ GROUP_COORDINATOR_INIT = "sglang.srt.distributed.parallel_state.GroupCoordinator
 # GroupCoordinator.__init__(self, group_ranks, local_rank, torch_distributed_backend, use_pynccl, ...)
 USE_PYNCCL_POSITION = 4
 MOE_FORWARD_NATIVE = "sglang.srt.layers.moe.fused_moe_native.moe_forward_native"
+MOONCAKE_SENDER_INIT = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__"
 
 
 def _without_pynccl(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -55,9 +68,16 @@ def _moe_forward_masked(
     )
 
 
+def _sender_takes_numpy_indices(_result: Any, sender: Any, *_a: Any, **_k: Any) -> None:
+    sender.supports_host_tensor_indices = False
+
+
 def register() -> None:
     patched = patch_torch()
     if patched:
         logger.info("omniinfer: CPU engine, filled in %s", ", ".join(patched))
-    HookRegistry.register(GROUP_COORDINATOR_INIT, _without_pynccl, HookType.BEFORE)
-    HookRegistry.register(MOE_FORWARD_NATIVE, _moe_forward_masked, HookType.AROUND)
+    hooks.register(GROUP_COORDINATOR_INIT, _without_pynccl, HookType.BEFORE, "no NCCL on CPU")
+    hooks.register(MOE_FORWARD_NATIVE, _moe_forward_masked, HookType.AROUND, "EP on CPU")
+    if os.environ.get(PD_MOONCAKE_ENV) == "1":
+        hooks.register(MOONCAKE_SENDER_INIT, _sender_takes_numpy_indices, HookType.AFTER,
+                       "PD on CPU: KV page indices without pinned memory or CUDA events")

@@ -248,15 +248,16 @@ def _after_scheduler_init(_result: Any, scheduler: Any, *_a: Any, **_k: Any) -> 
 
 def register(config: OmniConfig) -> None:
     """Worker-side hooks; the launcher already validated the pattern against the model."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.plugins.hook_registry import HookType
 
+    from omniinfer.sglang_plugin import hooks
     from omniinfer.sglang_plugin.omni_attn_backend import CompressedAttention, around_forward
 
     assert config.omni_attn_pattern is not None
     pattern = load(Path(config.omni_attn_pattern))
     _State.pattern = pattern
     _State.attention = CompressedAttention(pattern.compressed_layers, pattern.sink, pattern.recent)
-    hooks: list[tuple[str, Callable[..., Any], HookType]] = [
+    wanted: list[tuple[str, Callable[..., Any], HookType]] = [
         (f"{TORCH_NATIVE}.forward_extend", around_forward(_State.attention, False), HookType.AROUND),
         (f"{TORCH_NATIVE}.forward_decode", around_forward(_State.attention, True), HookType.AROUND),
         (EVICT_SLIDING_WINDOWS, _around_evict, HookType.AROUND),
@@ -273,5 +274,5 @@ def register(config: OmniConfig) -> None:
         (SCHEDULER_IDLE, _refresh_status, HookType.AFTER),
         (SCHEDULER_INIT, _after_scheduler_init, HookType.AFTER),
     ]
-    for target, hook, kind in hooks:
-        HookRegistry.register(target, hook, kind)
+    for target, hook, kind in wanted:
+        hooks.register(target, hook, kind, "OmniAttn sink + recent KV")

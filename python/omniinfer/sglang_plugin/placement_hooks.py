@@ -6,9 +6,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookType
 
 from omniinfer.flags import OmniConfig
+from omniinfer.sglang_plugin import hooks
 
 logger = logging.getLogger("omniinfer")
 
@@ -42,5 +43,7 @@ def _after_accumulator_append(_result: Any, _accumulator: Any, *args: Any, **kwa
 
 def register(config: OmniConfig) -> None:
     _State.config = config
-    HookRegistry.register(EPLB_FORWARD_PASS_END, _around_forward_pass_end, HookType.AROUND)
-    HookRegistry.register(STAT_ACCUMULATOR_APPEND, _after_accumulator_append, HookType.AFTER)
+    hooks.register(EPLB_FORWARD_PASS_END, _around_forward_pass_end, HookType.AROUND,
+                   "OmniPlacement decides instead of EPLB")
+    hooks.register(STAT_ACCUMULATOR_APPEND, _after_accumulator_append, HookType.AFTER,
+                   "OmniPlacement activation monitor")

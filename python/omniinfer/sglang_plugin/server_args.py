@@ -8,9 +8,10 @@ import sys
 import tempfile
 from typing import Any
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookType
 
 from omniinfer.flags import OmniConfig, OmniFlagError, add_arguments
+from omniinfer.sglang_plugin import hooks
 from omniinfer.sglang_plugin.http_routes import STATE_DIR_ENV
 
 ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
@@ -35,6 +36,7 @@ def _before_from_cli_args(*args: Any, **kwargs: Any) -> None:
             from omniinfer.sglang_plugin.omni_attn import prepare_namespace
 
             prepare_namespace(namespace, config)
+        _cpu_defaults(namespace, config)
     except OmniFlagError as exc:
         # One line, no traceback: the launch stops here before any process is started.
         print(f"omniinfer: error: {exc}", file=sys.stderr)
@@ -48,6 +50,17 @@ def _before_from_cli_args(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _cpu_defaults(namespace: argparse.Namespace, config: OmniConfig) -> None:
+    from omniinfer.cpu.detect import cpu_engine_active
+
+    if not cpu_engine_active():
+        return
+    from omniinfer.cpu.server_defaults import apply_cpu_server_defaults
+
+    for change in apply_cpu_server_defaults(namespace, busy_poll=config.omni_cpu_busy_poll):
+        print(f"omniinfer: CPU engine default: {change}", file=sys.stderr)
+
+
 def _prepare_placement(namespace: argparse.Namespace, config: OmniConfig) -> None:
     """OmniPlacement runs on SGLang's EPLB plumbing (recorder, expert map) with its own decisions."""
     ep_size = getattr(namespace, "ep_size", None) or 1
@@ -59,5 +72,5 @@ def _prepare_placement(namespace: argparse.Namespace, config: OmniConfig) -> Non
 
 
 def register() -> None:
-    HookRegistry.register(ADD_CLI_ARGS, _after_add_cli_args, HookType.AFTER)
-    HookRegistry.register(FROM_CLI_ARGS, _before_from_cli_args, HookType.BEFORE)
+    hooks.register(ADD_CLI_ARGS, _after_add_cli_args, HookType.AFTER, "omni flags")
+    hooks.register(FROM_CLI_ARGS, _before_from_cli_args, HookType.BEFORE, "omni flags, CPU defaults")

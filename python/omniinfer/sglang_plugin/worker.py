@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookType
 
 from omniinfer.flags import current_config
+from omniinfer.sglang_plugin import hooks
 
 logger = logging.getLogger("omniinfer")
 
@@ -25,13 +26,14 @@ def tp_rank() -> int | None:
 
 
 def _after_scheduler_init(_result: Any, scheduler: Any, *_a: Any, **_k: Any) -> None:
+    hooks.verify()
     config = current_config()
     scheduler.omni_config = config
     logger.info("omniinfer: scheduler tp_rank=%s received omni config %s", tp_rank(), config.to_json())
 
 
 def register() -> None:
-    HookRegistry.register(SCHEDULER_INIT, _after_scheduler_init, HookType.AFTER)
+    hooks.register(SCHEDULER_INIT, _after_scheduler_init, HookType.AFTER, "omni config and hook check")
     config = current_config()
     if config.enable_omni_placement:
         from omniinfer.sglang_plugin import placement_hooks

@@ -1,0 +1,58 @@
+"""Every HookRegistry registration of the plugin goes through here, so that none can fail quietly.
+
+SGLang's ``HookRegistry.apply_hooks`` only logs when a target does not resolve (a renamed
+module or method after an upgrade); the behaviour it carried would then be silently gone.
+:func:`register` records each target the plugin asked for and :func:`verify` raises, naming the
+targets that were not applied. The scheduler-init hook calls :func:`verify`, so a scheduler
+with a missing hook stops at start-up instead of serving without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+_REGISTERED: dict[str, str] = {}
+
+
+class HookTargetError(RuntimeError):
+    """A plugin hook target did not resolve in this SGLang version."""
+
+
+def register(target: str, hook: Callable[..., Any], kind: HookType, why: str) -> None:
+    """Register ``hook`` on ``target`` and remember why the plugin needs it."""
+    HookRegistry.register(target, hook, kind)
+    _REGISTERED[target] = why
+
+
+def registered() -> dict[str, str]:
+    return dict(_REGISTERED)
+
+
+def unapplied() -> list[str]:
+    """Targets registered by the plugin that HookRegistry has not patched (yet or at all)."""
+    patched = getattr(HookRegistry, "_patched", None)
+    if patched is None:  # HookRegistry changed shape: check each target by resolving it
+        import pkgutil
+
+        missing = []
+        for target in _REGISTERED:
+            try:
+                pkgutil.resolve_name(target)
+            except (ImportError, AttributeError, ValueError):
+                missing.append(target)
+        return missing
+    return [t for t in _REGISTERED if t not in patched]
+
+
+def verify() -> None:
+    """Raise :class:`HookTargetError` unless every registered target was applied."""
+    missing = unapplied()
+    if missing:
+        lines = [f"  {t}  ({_REGISTERED[t]})" for t in missing]
+        raise HookTargetError(
+            "omniinfer: these SGLang hook targets did not resolve in this SGLang version, "
+            "so the behaviour they carry would be missing:\n" + "\n".join(lines)
+        )
