@@ -32,7 +32,7 @@ def test_kernels_compile_for_cuda_sm90() -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(report) == {"stage1_head_fp32_indexed_cap", "stage1_grouped_bf16",
-                           "stage2_merge_bf16"}
+                           "stage2_merge_bf16", "extend_dot_bf16", "extend_vector_fp32_cap"}
     for name, kernel in report.items():
         assert "cuda" in kernel["target"], name
         assert {"ptx", "cubin"} <= set(kernel["asm_kinds"]), name

@@ -20,9 +20,10 @@ from typing import Any
 import triton
 
 from . import decode_sink_recent as k
+from . import extend_sink_recent as e
 
 _POINTERS = {"SeqLens": "*i64", "ReqPoolIdx": "*i64", "ReqToToken": "*i32", "KvIndptr": "*i32",
-             "KvIndices": "*i64", "MidO": "*fp32", "MidLse": "*fp32"}
+             "KvIndices": "*i64", "MidO": "*fp32", "MidLse": "*fp32", "QoIndptr": "*i32"}
 _SCALARS = {"sm_scale": "fp32", "logit_cap": "fp32", "sink": "i32", "recent": "i32"}
 
 
@@ -42,7 +43,8 @@ def _source(fn: Any, dtype: str, constexprs: dict[str, Any]) -> Any:
 
 
 def compile_kernels(arch: int = 90, head_dim: int = 128, group: int = 4) -> dict[str, Any]:
-    """Compile the head, grouped and merge kernels for ``cuda:sm_<arch>``; report per kernel."""
+    """Compile the decode (head, grouped, merge) and extend (tl.dot and fp32 vector) kernels for
+    ``cuda:sm_<arch>``; report per kernel."""
     from triton.backends.compiler import GPUTarget
 
     target = GPUTarget("cuda", arch, 32)
@@ -60,6 +62,14 @@ def compile_kernels(arch: int = 90, head_dim: int = 128, group: int = 4) -> dict
             HAS_CAP=False, INDEXED=False, DOT_FP32=False)),
         "stage2_merge_bf16": (k._stage2_merge, "bf16", dict(
             DV=head_dim, BLOCK_DV=block, NUM_SPLITS=4, BLOCK_S=4)),
+        # extend: bf16 tl.dot blocks, and the fp32 broadcast path with the logit cap
+        "extend_dot_bf16": (e._extend_kernel, "bf16", dict(
+            GROUP=group, DK=head_dim, DV=head_dim, BLOCK_M=e.DEFAULT_BLOCK_M,
+            BLOCK_N=e.DEFAULT_BLOCK_N, BLOCK_DK=block, BLOCK_DV=block, HAS_CAP=False,
+            USE_DOT=True, DOT_FP32=False)),
+        "extend_vector_fp32_cap": (e._extend_kernel, "fp32", dict(
+            GROUP=group, DK=head_dim, DV=head_dim, BLOCK_M=e.FP32_BLOCK, BLOCK_N=e.FP32_BLOCK,
+            BLOCK_DK=block, BLOCK_DV=block, HAS_CAP=True, USE_DOT=False, DOT_FP32=False)),
     }
     report = {}
     for name, (fn, dtype, constexprs) in jobs.items():

@@ -60,3 +60,14 @@ def build_kv_indices(
     rows = req_pool_indices.to(device=device, dtype=torch.int64)[owner]
     kv_indices = req_to_token[rows, pos].to(torch.int64)
     return kv_indptr, kv_indices
+
+
+def sink_recent_mask(prefix_len: int, seq_len: int, sink: int, recent: int,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[seq_len - prefix_len, seq_len]`` bool: may the query at position ``i`` (rows, from
+    ``prefix_len``) read the key at ``j``? Causal, and ``j < sink`` or ``j > i - recent``; for
+    the last query this is exactly :func:`kept_positions`."""
+    check_window(sink, recent)
+    i = torch.arange(prefix_len, seq_len, device=device)[:, None]
+    j = torch.arange(seq_len, device=device)[None, :]
+    return (j <= i) & ((j < sink) | (j > i - recent))

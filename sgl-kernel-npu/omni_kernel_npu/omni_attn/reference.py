@@ -1,4 +1,4 @@
-"""PyTorch reference for sink + recent decode attention over SGLang's paged KV.
+"""PyTorch references for sink + recent decode and extend attention over SGLang's paged KV.
 
 Deliberately simple (one request at a time, fp32 math, explicit gather) so that it is obviously
 right; the Triton kernel is tested against it.
@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .indices import check_window, kept_positions
+from .indices import check_window, kept_positions, sink_recent_mask
 
 
 def _soft_cap(scores: torch.Tensor, logit_cap: float) -> torch.Tensor:
@@ -82,3 +82,44 @@ def decode_full_reference(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
         sink=0, recent=max(1, req_to_token.shape[1]), sm_scale=sm_scale, logit_cap=logit_cap,
     )
+
+
+def extend_sink_recent_reference(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    sink: int,
+    recent: int,
+    sm_scale: float | None = None,
+    logit_cap: float = 0.0,
+) -> torch.Tensor:
+    """fp32 ``[num_tokens, num_q_heads, head_dim_v]`` extend attention with a dense mask.
+
+    Request ``b``'s queries are rows ``qo_indptr[b]:qo_indptr[b + 1]`` at the last positions of
+    its ``seq_lens[b]`` tokens; each reads the keys :func:`sink_recent_mask` allows. Rows that
+    belong to no request stay zero.
+    """
+    check_window(sink, recent)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    num_q_heads = q.shape[1]
+    num_kv_heads, dv = v_buffer.shape[1], v_buffer.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros(q.shape[0], num_q_heads, dv, dtype=torch.float32, device=q.device)
+    for b in range(seq_lens.shape[0]):
+        lo, hi = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        length = int(seq_lens[b])
+        if hi == lo:
+            continue
+        slots = req_to_token[int(req_pool_indices[b]), :length].long()
+        k = k_buffer[slots].float()  # [n, Hkv, Dk]
+        v = v_buffer[slots].float()
+        qg = q[lo:hi].float().view(hi - lo, num_kv_heads, group, -1)
+        scores = _soft_cap(torch.einsum("thgd,nhd->hgtn", qg, k) * scale, logit_cap)
+        mask = sink_recent_mask(length - (hi - lo), length, sink, recent, device=q.device)
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        out[lo:hi] = torch.einsum("hgtn,nhd->thgd", probs, v).reshape(hi - lo, num_q_heads, dv)
+    return out

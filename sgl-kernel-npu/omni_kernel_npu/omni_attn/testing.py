@@ -77,3 +77,51 @@ def make_paged_inputs(
         req_pool_indices=rows.to(torch.int64).to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(device),
     )
+
+
+@dataclass
+class ExtendInputs:
+    """One extend (prefill) step's attention inputs for a single layer: ``q`` holds only the
+    new tokens, packed by ``qo_indptr``; every token's K/V is already in the pool."""
+
+    q: torch.Tensor
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    qo_indptr: torch.Tensor
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        """Positional arguments of the extend kernel and reference entry points."""
+        return (self.q, self.k_buffer, self.v_buffer, self.req_to_token,
+                self.req_pool_indices, self.seq_lens, self.qo_indptr)
+
+
+def make_extend_inputs(
+    seq_lens: list[int],
+    extend_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    extra_rows: int = 0,
+    **kwargs: object,
+) -> ExtendInputs:
+    """Random paged K/V as :func:`make_paged_inputs` (same keyword options) plus packed queries
+    for the last ``extend_lens[b]`` positions of each request; ``extra_rows`` trailing q rows
+    belong to no request (a padded token buffer)."""
+    if len(extend_lens) != len(seq_lens) or any(
+            e < 0 or e > n for e, n in zip(extend_lens, seq_lens, strict=True)):
+        raise ValueError("need 0 <= extend_len <= seq_len for every request")
+    base = make_paged_inputs(seq_lens, num_q_heads, num_kv_heads, head_dim, **kwargs)
+    device = base.k_buffer.device
+    gen = torch.Generator(device=device).manual_seed(int(kwargs.get("seed", 0)) + 1)
+    total = sum(extend_lens) + extra_rows
+    q = torch.randn(total, num_q_heads, head_dim, generator=gen, device=device)
+    indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor(extend_lens, dtype=torch.int32), 0)
+    return ExtendInputs(q=q.to(base.k_buffer.dtype), k_buffer=base.k_buffer,
+                        v_buffer=base.v_buffer, req_to_token=base.req_to_token,
+                        req_pool_indices=base.req_pool_indices, seq_lens=base.seq_lens,
+                        qo_indptr=indptr.to(device))

@@ -1,0 +1,416 @@
+"""One device check for OmniAttn and OmniPlacement on a GPU, sized to fit a short device lease.
+
+Needs only PyTorch and Triton (no SGLang); runs from a plain checkout. Steps:
+
+a. correctness: the sink + recent decode and extend kernels (and the same kernels with a full
+   window) against the fp32 PyTorch references at several contexts and page sizes 1/16/64,
+   plus what each kernel was compiled for (a cubin must exist);
+b. attention timings: compressed-layer decode against full attention over the same context
+   (same Triton kernel with a full window; torch SDPA over dense K/V as a lower bound), and
+   compressed vs full extend at one shape; CUDA events, warm-up, medians, L2 flushed first;
+c. placement staging: a GEMM "forward" alone, then while expert weights are copied host
+   (pinned) -> device and device -> device on a side stream whose event the consumer waits
+   on, versus the same copies on the forward's own stream; staged weights are verified.
+
+Writes a JSON (``--out``) and prints a table; exits non-zero when a correctness check fails.
+A wall-clock budget (``--budget-s``) skips the timings left once it is spent and says so.
+``--dry-run`` runs every step on CPU with tiny shapes under the Triton interpreter (plain
+copies, no streams) in seconds; CI runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+GPU = dict(contexts=[2048, 8192, 32768], pages=[1, 16, 64], q_heads=32, kv_heads=8,
+           head_dim=128, sink=128, recent=384, dtype=torch.bfloat16, extend_new=128,
+           whole_prompt=600, decode_batch=32, timing_page=16, extend_shape=(2, 16384, 2048),
+           iters=50, warmup=10, gemm=(4096, 4096, 8192), forward_ms=15.0,
+           expert_shape=(2048, 4096), experts_h2d=12, experts_d2d=12, staging_reps=12)
+DRY = dict(contexts=[40, 96], pages=[1, 16, 64], q_heads=4, kv_heads=2, head_dim=16, sink=4,
+           recent=12, dtype=torch.bfloat16, extend_new=8, whole_prompt=24, decode_batch=2,
+           timing_page=16, extend_shape=(2, 96, 24), iters=2, warmup=1, gemm=(64, 64, 64),
+           forward_ms=0.0, expert_shape=(32, 64), experts_h2d=2, experts_d2d=2,
+           staging_reps=2)
+# max abs error against the fp32 reference (outputs are averages of N(0, 1) values)
+TOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-4}
+
+
+class Budget:
+    """Wall-clock guard: timings are skipped, and listed, once ``limit_s`` has passed."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.start = time.monotonic()
+        self.limit_s = limit_s
+        self.skipped: list[str] = []
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def allows(self, step: str) -> bool:
+        if self.elapsed() < self.limit_s:
+            return True
+        self.skipped.append(f"{step} (budget {self.limit_s:.0f} s spent)")
+        print(f"  skipped {step}: wall-clock budget spent")
+        return False
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true",
+                   help="every step on CPU, tiny shapes, Triton interpreter")
+    p.add_argument("--out", type=Path, default=HERE / "device_check.json")
+    p.add_argument("--budget-s", type=float, default=330.0,
+                   help="skip the timings left after this many seconds")
+    return p.parse_args(argv)
+
+
+def _modules(dry: bool) -> SimpleNamespace:
+    """Import the kernels after TRITON_INTERPRET is final (triton reads it at definition)."""
+    if dry:
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
+    for path in (HERE.parent, HERE):  # plain checkout; check_cuda's compile report
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    names = ("decode_sink_recent", "extend_sink_recent", "reference", "testing")
+    mods = {n: importlib.import_module(f"omni_kernel_npu.omni_attn.{n}") for n in names}
+    return SimpleNamespace(dec=mods["decode_sink_recent"], ext=mods["extend_sink_recent"],
+                           ref=mods["reference"], testing=mods["testing"])
+
+
+def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).abs().max())
+
+
+# ---------------------------------------------------------------- a. correctness
+
+
+def check_correctness(m: SimpleNamespace, cfg: dict[str, Any], device: str
+                      ) -> list[dict[str, Any]]:
+    """Decode and extend, sink + recent and full window, at every context x page size in bf16,
+    then fp32 and fp16 at the smallest context (their own compiled variants); the sink + recent
+    output must also differ from full attention (something was evicted)."""
+    cases = [(ctx, page, cfg["dtype"]) for ctx in cfg["contexts"] for page in cfg["pages"]]
+    cases += [(cfg["contexts"][0], 16, dt) for dt in (torch.float32, torch.float16)]
+    return [row for case in cases for row in _check_case(m, cfg, device, *case)]
+
+
+def _check_case(m: SimpleNamespace, cfg: dict[str, Any], device: str, ctx: int, page: int,
+                dt: torch.dtype) -> list[dict[str, Any]]:
+    sink, recent = cfg["sink"], cfg["recent"]
+    shape = (cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"])
+    common = dict(page_size=page, dtype=dt, device=device, seed=ctx + page, max_context=ctx)
+    tag = (ctx, page, dt)
+    # decode: long, long, half, and one short enough to equal full attention
+    inp = m.testing.make_paged_inputs([ctx, ctx - 3, ctx // 2 + 1, min(ctx, 10)], *shape,
+                                      **common)
+    rows = [_row("decode", *tag, m.dec.decode_sink_recent(*inp.args(), sink, recent),
+                 m.ref.decode_sink_recent_reference(*inp.args(), sink, recent),
+                 m.dec.decode_full(*inp.args()), m.ref.decode_full_reference(*inp.args()))]
+    del inp
+    # extend: a cached prefix + new tokens, a half-length one, a whole prompt (prefix 0)
+    new, whole = cfg["extend_new"], cfg["whole_prompt"]
+    ext_lens = [new, new // 2 + 13, whole]
+    inp = m.testing.make_extend_inputs([ctx, ctx // 2 + 5, whole], ext_lens, *shape, **common)
+    bound = max(ext_lens)
+    rows.append(_row(
+        "extend", *tag,
+        m.ext.extend_sink_recent(*inp.args(), sink, recent, max_extend_len=bound),
+        m.ref.extend_sink_recent_reference(*inp.args(), sink, recent),
+        m.ext.extend_full(*inp.args(), max_extend_len=bound),
+        m.ref.extend_sink_recent_reference(*inp.args(), 0, ctx)))
+    return rows
+
+
+def _row(kernel: str, ctx: int, page: int, dt: torch.dtype, out: torch.Tensor,
+         ref: torch.Tensor, full: torch.Tensor, full_ref: torch.Tensor) -> dict[str, Any]:
+    tol = TOL[dt]
+    err, full_err, gap = _err(out, ref), _err(full, full_ref), _err(out, full_ref)
+    ok = (err <= tol and full_err <= tol and gap > 0.09 and out.dtype == dt
+          and bool(torch.isfinite(out).all()))
+    return {"kernel": kernel, "context": ctx, "page_size": page,
+            "dtype": str(dt).removeprefix("torch."), "err_sink_recent": err,
+            "err_full_window": full_err, "gap_to_full": gap, "tol": tol, "ok": ok}
+
+
+def compile_summary(m: SimpleNamespace) -> dict[str, Any]:
+    """Target, assembly kinds and registers of every launched kernel (check_cuda's report)."""
+    from check_cuda import compile_report
+
+    return compile_report(m.dec)
+
+
+# ---------------------------------------------------------------- timing helpers
+
+
+def make_timer(device: str, flush_bytes: int = 256 << 20) -> Callable[..., dict[str, float]]:
+    """``timer(fn, iters, warmup, cold=True)`` -> median/min ms. On CUDA: events per call,
+    optionally after overwriting the L2 (a layer's KV is cold in real decode); on CPU:
+    perf_counter."""
+    flush = torch.empty(flush_bytes, dtype=torch.int8, device=device) if device == "cuda" else None
+
+    def timer(fn: Callable[[], Any], iters: int, warmup: int, cold: bool = True
+              ) -> dict[str, float]:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            if flush is None:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+                continue
+            if cold:
+                flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return {"median_ms": statistics.median(times), "min_ms": min(times)}
+
+    return timer
+
+
+def graph_ms(fn: Callable[[], Any], reps: int = 20, iters: int = 10) -> float | None:
+    """Per-call GPU time without launch overhead: ``reps`` calls in one CUDA graph replayed
+    back to back (L2 warm). None when capture fails."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+        graph.replay()
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / reps)
+        return statistics.median(times)
+    except Exception as exc:  # capture is best effort: report, never fail the check
+        print(f"  graph capture failed: {type(exc).__name__}: {exc}"[:200])
+        torch.cuda.synchronize()
+        return None
+
+
+def _sdpa_dense_decode(inp: Any, scale: float) -> Callable[[], torch.Tensor]:
+    """SDPA over each request's whole context gathered into dense [B, Hkv, L, D] K/V (the
+    gather is not timed): a lower bound for any paged full-attention kernel."""
+    rows = inp.req_to_token[inp.req_pool_indices].long()  # all requests share one length
+    k = inp.k_buffer[rows].permute(0, 2, 1, 3).contiguous()
+    v = inp.v_buffer[rows].permute(0, 2, 1, 3).contiguous()
+    q = inp.q.unsqueeze(2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return lambda: sdpa(q, k, v, scale=scale, enable_gqa=True)
+
+
+# ---------------------------------------------------------------- b. attention timings
+
+
+def time_decode(m: SimpleNamespace, cfg: dict[str, Any], device: str, budget: Budget
+                ) -> list[dict[str, Any]]:
+    """Per context: sink + recent decode, the same kernel over everything, dense SDPA."""
+    timer = make_timer(device)
+    sink, recent = cfg["sink"], cfg["recent"]
+    results = []
+    for ctx in cfg["contexts"]:
+        if not budget.allows(f"decode timing at {ctx}"):
+            continue
+        inp = m.testing.make_paged_inputs(
+            [ctx] * cfg["decode_batch"], cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"],
+            page_size=cfg["timing_page"], dtype=cfg["dtype"], device=device, seed=ctx,
+            max_context=ctx)
+        runs = {
+            "sink_recent": lambda inp=inp: m.dec.decode_sink_recent(*inp.args(), sink, recent),
+            "full_triton": lambda inp=inp: m.dec.decode_full(*inp.args()),
+            "full_sdpa_dense": _sdpa_dense_decode(inp, 1.0 / math.sqrt(cfg["head_dim"])),
+        }
+        row: dict[str, Any] = {"context": ctx, "batch": cfg["decode_batch"],
+                               "page_size": cfg["timing_page"]}
+        for name, fn in runs.items():
+            row[name] = timer(fn, cfg["iters"], cfg["warmup"])
+            if device == "cuda":
+                row[name]["graph_ms"] = graph_ms(fn)
+        row["err_full_triton_vs_sdpa"] = _err(runs["full_triton"](),
+                                              runs["full_sdpa_dense"]().squeeze(2).float())
+        base = row["sink_recent"]["median_ms"]
+        row["speedup_vs_full_triton"] = row["full_triton"]["median_ms"] / base
+        row["speedup_vs_sdpa_dense"] = row["full_sdpa_dense"]["median_ms"] / base
+        gb = row["sink_recent"].get("graph_ms"), row["full_triton"].get("graph_ms")
+        if gb[0] and gb[1]:
+            row["graph_speedup_vs_full_triton"] = gb[1] / gb[0]
+        results.append(row)
+        print(f"  decode ctx={ctx:6d}: sink+recent {base:.3f} ms, full triton "
+              f"{row['full_triton']['median_ms']:.3f} ms (x{row['speedup_vs_full_triton']:.1f}),"
+              f" sdpa dense {row['full_sdpa_dense']['median_ms']:.3f} ms")
+        del inp, runs
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def time_extend(m: SimpleNamespace, cfg: dict[str, Any], device: str, budget: Budget
+                ) -> dict[str, Any] | None:
+    """Compressed vs full extend at one shape (every request: a prefix plus ``new`` tokens);
+    the compressed output is checked against the reference at that shape too."""
+    if not budget.allows("extend timing"):
+        return None
+    batch, ctx, new = cfg["extend_shape"]
+    inp = m.testing.make_extend_inputs(
+        [ctx] * batch, [new] * batch, cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"],
+        page_size=cfg["timing_page"], dtype=cfg["dtype"], device=device, seed=7,
+        max_context=ctx)
+    sink, recent = cfg["sink"], cfg["recent"]
+    runs = {
+        "sink_recent": lambda: m.ext.extend_sink_recent(*inp.args(), sink, recent,
+                                                        max_extend_len=new),
+        "full_triton": lambda: m.ext.extend_full(*inp.args(), max_extend_len=new),
+    }
+    err = _err(runs["sink_recent"](), m.ref.extend_sink_recent_reference(*inp.args(), sink,
+                                                                         recent))
+    timer = make_timer(device)
+    row: dict[str, Any] = {"batch": batch, "context": ctx, "new_tokens": new,
+                           "page_size": cfg["timing_page"], "err_sink_recent": err,
+                           "ok": err <= TOL[cfg["dtype"]]}
+    for name, fn in runs.items():
+        row[name] = timer(fn, max(2, cfg["iters"] // 2), cfg["warmup"])
+    row["speedup_vs_full_triton"] = (row["full_triton"]["median_ms"]
+                                     / row["sink_recent"]["median_ms"])
+    print(f"  extend b={batch} ctx={ctx} new={new}: sink+recent "
+          f"{row['sink_recent']['median_ms']:.3f} ms, full {row['full_triton']['median_ms']:.3f}"
+          f" ms (x{row['speedup_vs_full_triton']:.1f}), err {err:.1e}")
+    return row
+
+
+# ---------------------------------------------------------------- c. placement staging
+
+
+def time_staging(cfg: dict[str, Any], device: str, budget: Budget) -> dict[str, Any] | None:
+    """Forward alone, with the expert copies on a side stream, with them on its own stream."""
+    if not budget.allows("staging"):
+        return None
+    from staging_check import run_staging
+
+    return run_staging(cfg, device)
+
+
+# ---------------------------------------------------------------- report
+
+
+def _environment(device: str) -> dict[str, Any]:
+    import triton
+
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "triton": triton.__version__, "device": device,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["capability"] = list(torch.cuda.get_device_capability(0))
+    return env
+
+
+def print_table(result: dict[str, Any]) -> None:
+    """The human summary: correctness rows, speedups, staging slowdowns, verdicts."""
+    print("\ncorrectness (max abs error vs fp32 reference; gap: sink+recent vs full):")
+    print(f"  {'kernel':7s} {'context':>7s} {'page':>4s} {'dtype':8s} {'sink+recent':>11s} "
+          f"{'full':>9s} {'gap':>7s}")
+    for r in result["correctness"]:
+        print(f"  {r['kernel']:7s} {r['context']:7d} {r['page_size']:4d} {r['dtype']:8s} "
+              f"{r['err_sink_recent']:11.2e} {r['err_full_window']:9.2e} {r['gap_to_full']:7.3f}"
+              f"  {'ok' if r['ok'] else 'FAIL'}")
+    if result["decode"]:
+        print("\ndecode (batch, median ms, cold L2; speedup = full / sink+recent):")
+        for r in result["decode"]:
+            print(f"  ctx {r['context']:6d}: sink+recent {r['sink_recent']['median_ms']:8.3f}  "
+                  f"full triton {r['full_triton']['median_ms']:8.3f}  "
+                  f"sdpa dense {r['full_sdpa_dense']['median_ms']:8.3f}  "
+                  f"x{r['speedup_vs_full_triton']:.1f} (vs sdpa x{r['speedup_vs_sdpa_dense']:.1f})")
+    if result["extend"]:
+        e = result["extend"]
+        print(f"\nextend b={e['batch']} ctx={e['context']} new={e['new_tokens']}: sink+recent "
+              f"{e['sink_recent']['median_ms']:.3f} ms, full {e['full_triton']['median_ms']:.3f} "
+              f"ms, x{e['speedup_vs_full_triton']:.1f}")
+    if result["staging"]:
+        s = result["staging"]
+        print(f"\nstaging ({s['staged_mb']:.1f} MB of experts, forward "
+              f"{s['forward_alone_ms']:.2f} ms): side stream x{s['slowdown_side_stream']:.3f}, "
+              f"same stream x{s['slowdown_same_stream']:.3f}, intact: {s['intact']}")
+    for step in result["skipped"]:
+        print(f"skipped: {step}")
+    print(f"\nverdicts: {json.dumps(result['targets'])}  ok: {result['ok']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    budget = Budget(args.budget_s)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run for the CPU interpreter version")
+        return 2
+    device = "cpu" if args.dry_run else "cuda"
+    cfg = DRY if args.dry_run else GPU
+    m = _modules(args.dry_run)
+    print(f"device check on {device} ({'dry run, interpreter' if args.dry_run else 'compiled'})")
+    print(f"a. correctness [{budget.elapsed():.0f} s]")
+    rows = check_correctness(m, cfg, device)
+    compiled = compile_summary(m) if device == "cuda" else {}
+    cubins = all(c["cuda"] for c in compiled.values()) and bool(compiled)
+    print(f"  {sum(r['ok'] for r in rows)}/{len(rows)} cases ok"
+          + (f"; {len(compiled)} kernels compiled, cubins: {cubins}" if compiled else ""))
+    print(f"b. attention timings [{budget.elapsed():.0f} s]")
+    decode = time_decode(m, cfg, device, budget)
+    extend = time_extend(m, cfg, device, budget)
+    print(f"c. placement staging [{budget.elapsed():.0f} s]")
+    staging = time_staging(cfg, device, budget)
+    at_32k = [r for r in decode if r["context"] == max(cfg["contexts"])]
+    targets = {  # speed targets are reported, not enforced; meaningless on CPU
+        "decode_speedup_at_max_context_ge_4": (at_32k[0]["speedup_vs_full_triton"] >= 4
+                                               if at_32k and device == "cuda" else None),
+        "side_stream_slowdown_le_5pct": (staging["slowdown_side_stream"] <= 1.05
+                                         if staging and device == "cuda" else None),
+    }
+    ok = {"correctness": all(r["ok"] for r in rows),
+          "extend_timed_shape": extend["ok"] if extend else None,
+          "staged_weights_intact": staging["intact"] if staging else None,
+          "compiled_for_cuda": cubins if device == "cuda" else None}
+    result = {"environment": _environment(device), "dry_run": args.dry_run,
+              "config": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in cfg.items()},
+              "correctness": rows, "compiled": compiled, "decode": decode, "extend": extend,
+              "staging": staging, "targets": targets, "ok": ok, "skipped": budget.skipped,
+              "wall_s": round(budget.elapsed(), 1)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print_table(result)
+    print(f"wrote {args.out} after {result['wall_s']} s")
+    return 0 if all(v is not False for v in ok.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
