@@ -37,3 +37,7 @@ def test_kernels_compile_for_cuda_sm90() -> None:
         assert "cuda" in kernel["target"], name
         assert {"ptx", "cubin"} <= set(kernel["asm_kinds"]), name
         assert kernel["ptx_target"].startswith("sm_90"), name
+        # no tl.dot, written or made by Triton's combiner, in the fp32 kernels (TF32 on CUDA)
+        if "fp32" in name:
+            assert kernel["tt_dot_ops"] == 0, name
+    assert report["stage1_grouped_bf16"]["tt_dot_ops"] > 0  # the count does see dots

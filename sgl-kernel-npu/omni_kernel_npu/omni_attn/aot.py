@@ -83,6 +83,8 @@ def compile_kernels(arch: int = 90, head_dim: int = 128, group: int = 4) -> dict
             "asm_kinds": sorted(compiled.asm.keys()),
             "ptx_target": found.group(1) if found else None,
             "shared_bytes": compiled.metadata.shared,
+            # fp32 kernels must have none: CUDA runs an fp32 tt.dot as TF32
+            "tt_dot_ops": compiled.asm.get("ttir", "").count("tt.dot "),
             "seconds": round(time.perf_counter() - start, 2),
         }
     return report

@@ -20,7 +20,9 @@ Portability: the same subset as :mod:`.decode_sink_recent` (masked loads/stores 
 ``tl.where``/``tl.exp``/``tl.log``/``tl.max``/``tl.sum``, casts, ``range`` loops with runtime
 bounds, constexpr power-of-two blocks, no early return). ``tl.dot`` is used only for fp16/bf16
 with every dimension >= 16; fp32 inputs take a broadcast-multiply-sum path (CUDA would run an
-fp32 ``tl.dot`` as TF32).
+fp32 ``tl.dot`` as TF32), with both sums over the last axis: Triton's combine pass rewrites a
+sum over the middle axis of ``a[:, :, None] * b[None, :, :]`` into a ``tt.dot`` (TF32 again;
+seen on the H200 as a 2e-3 error before the PV product was transposed).
 """
 
 from __future__ import annotations
@@ -75,15 +77,19 @@ def _key_block(
     m_ref = tl.where(m_new > -float("inf"), m_new, 0.0)
     alpha = tl.exp(m_i - m_ref)
     p = tl.exp(s - m_ref[:, None])
-    v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
-                mask=k_valid[:, None] & mask_dv[None, :], other=0.0)
     if USE_DOT:
+        v = tl.load(V + slot[:, None] * stride_vn + kvh * stride_vh + offs_dv[None, :],
+                    mask=k_valid[:, None] & mask_dv[None, :], other=0.0)
         if DOT_FP32:
             pv = tl.dot(p, v.to(tl.float32))
         else:
             pv = tl.dot(p.to(v.dtype), v)
     else:
-        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+        # V transposed, reduced over the last axis: Triton's combiner turns a reduction over
+        # the middle axis of a broadcast product into tt.dot, which CUDA runs as TF32.
+        vt = tl.load(V + slot[None, :] * stride_vn + kvh * stride_vh + offs_dv[:, None],
+                     mask=mask_dv[:, None] & k_valid[None, :], other=0.0).to(tl.float32)
+        pv = tl.sum(p[:, None, :] * vt[None, :, :], 2)
     acc = acc * alpha[:, None] + pv
     l_i = l_i * alpha + tl.sum(p, 1)
     return acc, m_new, l_i
