@@ -10,9 +10,15 @@ per-pass callback is replaced by :class:`PlacementController`:
   in-place metadata update, the same step on every rank;
 - background thread: fold counts into per-expert load, run Algorithm 2 on rank 0
   (:class:`omniinfer.placement.dynamic.DynamicPlanner`: trigger, prediction, margin), broadcast
-  the decision, stage the changed slots over a separate gloo group (local copies or point-to-
-  point from the rank holding the expert), then agree with all ranks on success and on the
-  pass to switch at. A failed staging on any rank leaves the old layout serving everywhere.
+  the decision, stage the changed slots (local copies or point-to-point from the rank holding
+  the expert), then agree with all ranks on success and on the pass to switch at. A failed
+  staging on any rank leaves the old layout serving everywhere.
+
+Devices (through :mod:`omniinfer.platform` only): staging runs on a dedicated stream, over
+NCCL/HCCL when the weights live on a device (gloo on CPU), and the switch makes the forward
+stream wait for the staging event instead of blocking the host; activation counts leave the
+device by a non-blocking copy into pinned memory (:mod:`omniinfer.placement.staging`). Control
+messages (decisions, verdicts) always use a gloo group over host tensors.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ import torch.distributed as dist
 from omniinfer.flags import OmniConfig
 from omniinfer.placement.base import Placement
 from omniinfer.placement.dynamic import DynamicConfig, DynamicPlanner
-from omniinfer.placement.transfers import SlotCopy, logical_counts, plan_slot_copies
+from omniinfer.placement.staging import HostCopy, SlotStager, StagedWeights
+from omniinfer.placement.transfers import logical_counts, plan_slot_copies
+from omniinfer.platform import CPU, Platform, for_tensor
 
 logger = logging.getLogger("omniinfer")
 
@@ -52,7 +60,7 @@ class Staged:
     new_map: np.ndarray
     metadata: Any
     layers: list[int]
-    copies: dict[tuple[int, int], list[torch.Tensor]]  # (layer, local slot) -> tensors
+    weights: StagedWeights  # (layer, local slot) -> tensors, and their ready event
     record: dict[str, Any]
 
 
@@ -74,8 +82,14 @@ class PlacementController:
         self.num_experts = int(self.metadata.num_logical_experts)
         self.map = self.metadata.physical_to_logical_map_cpu.numpy().copy()
         self.per_rank = self.map.shape[1] // self.num_ranks
-        # A separate group so staging traffic never interleaves with the forward pass's collectives.
-        self.group = dist.new_group(ranks=list(range(dist.get_world_size())), backend="gloo")
+        # Separate groups so staging traffic never interleaves with the forward pass's
+        # collectives: gloo for control messages, the device's library for weights on a device.
+        ranks = list(range(dist.get_world_size()))
+        self.group = dist.new_group(ranks=ranks, backend="gloo")
+        self.platform = _weights_platform(self.weights)
+        data_group = (dist.new_group(ranks=ranks, backend=self.platform.collective_backend)
+                      if self.platform.is_device else self.group)
+        self.stager = SlotStager(self.platform, self.rank, self.per_rank, self.weights, data_group)
         self.passes = 0
         self.pending: Staged | None = None
         self.applied = threading.Event()
@@ -107,8 +121,9 @@ class PlacementController:
     # ------------------------------------------------------------------ main thread
 
     def on_counts(self, global_physical_count: torch.Tensor) -> None:
-        if self.rank == 0:
-            self.inbox.put(("counts", global_physical_count.detach().to("cpu", copy=True)))
+        if self.rank == 0:  # no host sync: the background thread waits for the copy
+            counts_platform = for_tensor(global_physical_count)
+            self.inbox.put(("counts", HostCopy.start(global_physical_count, counts_platform)))
 
     def on_forward_pass_end(self) -> None:
         self.passes += 1
@@ -120,9 +135,7 @@ class PlacementController:
 
     def _switch(self, staged: Staged) -> None:
         started = time.perf_counter()
-        for (layer, local_slot), tensors in staged.copies.items():
-            for live, new in zip(self.weights[layer], tensors, strict=True):
-                live[local_slot].copy_(new)
+        self.stager.last_switch = staged.weights.switch_in(self.weights, self.stager.device)
         self.metadata.update(staged.metadata, update_layer_ids=staged.layers)
         staged.record.update(switched_at_pass=self.passes, switched_unix=time.time(),
                              switch_ms=round(1000 * (time.perf_counter() - started), 3), state="adopted")
@@ -138,7 +151,7 @@ class PlacementController:
         while True:
             kind, payload = self.inbox.get()
             if kind == "counts":
-                window += logical_counts(payload.numpy(), fold_map, self.num_experts)
+                window += logical_counts(payload.get().numpy(), fold_map, self.num_experts)
             elif kind == "switched":
                 fold_map = payload
             elif kind == "tick":
@@ -194,10 +207,10 @@ class PlacementController:
         started = time.perf_counter()
         old_map = self.map
         copies = plan_slot_copies(old_map, new_map, self.num_ranks, self.moe_layers)
-        staged: dict[tuple[int, int], list[torch.Tensor]] = {}
+        staged = StagedWeights({}, None, self.platform)
         ok = 1
         try:
-            staged = self._stage(copies)
+            staged = self.stager.stage(copies)
             metadata = ExpertLocationMetadata.init_by_mapping(
                 self.model_config, torch.from_numpy(new_map), moe_ep_rank=self.rank)
         except Exception as exc:
@@ -212,7 +225,7 @@ class PlacementController:
         record.update(
             layers=layers, slots_copied=len(copies),
             remote_copies=sum(1 for c in copies if not c.is_local),
-            bytes_staged=int(sum(t.numel() * t.element_size() for ts in staged.values() for t in ts)),
+            bytes_staged=staged.nbytes,
             staging_ms=round(1000 * (time.perf_counter() - started), 3), staged_unix=time.time(),
         )
         if int(verdict.item()) == 0:
@@ -231,31 +244,6 @@ class PlacementController:
         self._write_status()
         logger.info("omniinfer: placement migration adopted on rank %d: %s", self.rank, record)
 
-    def _stage(self, copies: list[SlotCopy]) -> dict[tuple[int, int], list[torch.Tensor]]:
-        staged: dict[tuple[int, int], list[torch.Tensor]] = {}
-        for layer in sorted({c.layer for c in copies}):  # layer by layer bounds traffic in flight
-            requests = []
-            live = self.weights[layer]
-            for index, copy in enumerate(c for c in copies if c.layer == layer):
-                src_local = copy.src_slot % self.per_rank
-                dst_local = copy.dst_slot % self.per_rank
-                if copy.dst_rank == self.rank:
-                    if copy.is_local:
-                        staged[(layer, dst_local)] = [t[src_local].clone() for t in live]
-                    else:
-                        buffers = [torch.empty_like(t[dst_local]) for t in live]
-                        staged[(layer, dst_local)] = buffers
-                        for k, b in enumerate(buffers):
-                            requests.append(dist.irecv(b, src=copy.src_rank, group=self.group,
-                                                       tag=index * len(live) + k))
-                elif copy.src_rank == self.rank:
-                    for k, t in enumerate(live):
-                        requests.append(dist.isend(t[src_local].contiguous(), dst=copy.dst_rank,
-                                                   group=self.group, tag=index * len(live) + k))
-            for request in requests:
-                request.wait()
-        return staged
-
     # -------------------------------------------------------------------- status
 
     def _remember(self, key: str, item: dict[str, Any]) -> None:
@@ -271,3 +259,11 @@ class PlacementController:
         partial = path.with_suffix(".partial")
         partial.write_text(json.dumps(self.status, default=str))
         partial.replace(path)
+
+
+def _weights_platform(weights: Any) -> Platform:
+    """The platform of the expert weights (CPU when there are none)."""
+    for tensors in weights.values():
+        for tensor in tensors:
+            return for_tensor(tensor)
+    return CPU
