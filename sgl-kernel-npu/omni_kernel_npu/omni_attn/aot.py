@@ -23,7 +23,7 @@ from . import decode_sink_recent as k
 from . import extend_sink_recent as e
 
 _POINTERS = {"SeqLens": "*i64", "ReqPoolIdx": "*i64", "ReqToToken": "*i32", "KvIndptr": "*i32",
-             "KvIndices": "*i64", "MidO": "*fp32", "MidLse": "*fp32", "QoIndptr": "*i32"}
+             "KvIndices": "*i64", "MidO": "*fp32", "MidLse": "*fp32", "QoIndptr": "*i32", "SlotMap": "*i64"}
 _SCALARS = {"sm_scale": "fp32", "logit_cap": "fp32", "sink": "i32", "recent": "i32"}
 
 
@@ -54,22 +54,23 @@ def compile_kernels(arch: int = 90, head_dim: int = 128, group: int = 4) -> dict
     jobs = {
         # fp32 vector kernel through the explicit index list, with the logit cap
         "stage1_head_fp32_indexed_cap": (k._stage1_head, "fp32", dict(
-            dims, GROUP=group, HAS_CAP=True, INDEXED=True)),
+            dims, GROUP=group, HAS_CAP=True, INDEXED=True, HAS_MAP=False)),
         # bf16 tl.dot kernel with the in-kernel sink/recent window
         "stage1_grouped_bf16": (k._stage1_grouped, "bf16", dict(
             dims, GROUP=group, HEADS_PER_TILE=min(k.BLOCK_H, group),
             TILES_PER_KV=triton.cdiv(group, min(k.BLOCK_H, group)), BLOCK_H=k.BLOCK_H,
-            HAS_CAP=False, INDEXED=False, DOT_FP32=False)),
+            HAS_CAP=False, INDEXED=False, DOT_FP32=False, HAS_MAP=True)),
         "stage2_merge_bf16": (k._stage2_merge, "bf16", dict(
             DV=head_dim, BLOCK_DV=block, NUM_SPLITS=4, BLOCK_S=4)),
         # extend: bf16 tl.dot blocks, and the fp32 broadcast path with the logit cap
         "extend_dot_bf16": (e._extend_kernel, "bf16", dict(
             GROUP=group, DK=head_dim, DV=head_dim, BLOCK_M=e.DEFAULT_BLOCK_M,
             BLOCK_N=e.DEFAULT_BLOCK_N, BLOCK_DK=block, BLOCK_DV=block, HAS_CAP=False,
-            USE_DOT=True, DOT_FP32=False)),
+            USE_DOT=True, DOT_FP32=False, HAS_MAP=True)),
         "extend_vector_fp32_cap": (e._extend_kernel, "fp32", dict(
             GROUP=group, DK=head_dim, DV=head_dim, BLOCK_M=e.FP32_BLOCK, BLOCK_N=e.FP32_BLOCK,
-            BLOCK_DK=block, BLOCK_DV=block, HAS_CAP=True, USE_DOT=False, DOT_FP32=False)),
+            BLOCK_DK=block, BLOCK_DV=block, HAS_CAP=True, USE_DOT=False, DOT_FP32=False,
+            HAS_MAP=False)),
     }
     report = {}
     for name, (fn, dtype, constexprs) in jobs.items():

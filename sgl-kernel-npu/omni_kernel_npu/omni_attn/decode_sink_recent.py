@@ -65,6 +65,15 @@ def _soft_cap(s, cap):
 
 
 @triton.jit
+def _map_slot(slot, SlotMap, valid, HAS_MAP: tl.constexpr):
+    """Translate pool slots through ``SlotMap`` (SGLang's hybrid pool: ``req_to_token`` holds
+    full-pool slots, a compressed layer's buffer is indexed by SWA slots)."""
+    if HAS_MAP:
+        slot = tl.load(SlotMap + slot, mask=valid, other=0).to(tl.int64)
+    return slot
+
+
+@triton.jit
 def _row_window(b, SeqLens, ReqPoolIdx, ReqToToken, KvIndptr, KvIndices, stride_r2t, sink,
                 recent, INDEXED: tl.constexpr):
     """(slot-row pointer, kept count, sink count, first recent position) for request ``b``.
@@ -89,13 +98,14 @@ def _row_window(b, SeqLens, ReqPoolIdx, ReqToToken, KvIndptr, KvIndices, stride_
 
 @triton.jit
 def _stage1_head(
-    Q, K, V, SeqLens, ReqPoolIdx, ReqToToken, KvIndptr, KvIndices, MidO, MidLse,
+    Q, K, V, SeqLens, ReqPoolIdx, ReqToToken, KvIndptr, KvIndices, SlotMap, MidO, MidLse,
     sm_scale, logit_cap, sink, recent,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_CAP: tl.constexpr, INDEXED: tl.constexpr,
+    HAS_MAP: tl.constexpr,
 ):
     """One (request, q head, split) per program; vector ops only (no tl.dot)."""
     b = tl.program_id(0)
@@ -123,7 +133,8 @@ def _stage1_head(
         j = start + tl.arange(0, BLOCK_N)
         valid = j < hi
         pos = tl.where(j < n_sink, j, recent_start + (j - n_sink))
-        slot = tl.load(row + pos, mask=valid, other=0).to(tl.int64)
+        slot = _map_slot(tl.load(row + pos, mask=valid, other=0).to(tl.int64), SlotMap, valid,
+                         HAS_MAP)
         k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_dk[None, :],
                     mask=valid[:, None] & mask_dk[None, :], other=0.0).to(tl.float32)
         s = tl.sum(k * q[None, :], 1) * sm_scale
@@ -149,7 +160,7 @@ def _stage1_head(
 
 @triton.jit
 def _stage1_grouped(
-    Q, K, V, SeqLens, ReqPoolIdx, ReqToToken, KvIndptr, KvIndices, MidO, MidLse,
+    Q, K, V, SeqLens, ReqPoolIdx, ReqToToken, KvIndptr, KvIndices, SlotMap, MidO, MidLse,
     sm_scale, logit_cap, sink, recent,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
@@ -157,7 +168,7 @@ def _stage1_grouped(
     DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_CAP: tl.constexpr,
-    INDEXED: tl.constexpr, DOT_FP32: tl.constexpr,
+    INDEXED: tl.constexpr, DOT_FP32: tl.constexpr, HAS_MAP: tl.constexpr,
 ):
     """One (request, kv head tile, split) per program: the q heads sharing a kv head read each
     K/V tile once and use tl.dot ([BLOCK_H, BLOCK_DK] x [BLOCK_DK, BLOCK_N], all >= 16).
@@ -195,7 +206,8 @@ def _stage1_grouped(
         j = start + tl.arange(0, BLOCK_N)
         valid = j < hi
         pos = tl.where(j < n_sink, j, recent_start + (j - n_sink))
-        slot = tl.load(row + pos, mask=valid, other=0).to(tl.int64)
+        slot = _map_slot(tl.load(row + pos, mask=valid, other=0).to(tl.int64), SlotMap, valid,
+                         HAS_MAP)
         k = tl.load(K + slot[None, :] * stride_kn + kvh * stride_kh + offs_dk[:, None],
                     mask=mask_dk[:, None] & valid[None, :], other=0.0)
         if DOT_FP32:
@@ -301,7 +313,7 @@ def _launch(
     req_to_token: torch.Tensor | None, kv_indptr: torch.Tensor | None,
     kv_indices: torch.Tensor | None, sink: int, recent: int, max_kept: int,
     sm_scale: float | None, logit_cap: float, num_kv_splits: int | None, impl: Impl,
-    block_n: int, out: torch.Tensor | None,
+    block_n: int, out: torch.Tensor | None, slot_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Shared host side of both entry points: buffers, grid, the two stage launches."""
     group = _check_layout(q, k_buffer, v_buffer)
@@ -330,17 +342,19 @@ def _launch(
     r2t = req_to_token if req_to_token is not None else dummy
     indptr_t = kv_indptr if indexed else dummy
     indices_t = kv_indices if indexed else dummy
+    map_t = slot_map if slot_map is not None else dummy
     stride_r2t = req_to_token.stride(0) if req_to_token is not None else 0
     block_dk = max(16, triton.next_power_of_2(dk))
     block_dv = max(16, triton.next_power_of_2(dv))
     common = (
-        q, k_buffer, v_buffer, seq_lens_t, pool_t, r2t, indptr_t, indices_t, mid_o, mid_lse,
+        q, k_buffer, v_buffer, seq_lens_t, pool_t, r2t, indptr_t, indices_t, map_t, mid_o,
+        mid_lse,
         scale, float(logit_cap), int(sink), int(recent),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), stride_r2t,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
     )
-    flags = dict(HAS_CAP=logit_cap > 0, INDEXED=indexed)
+    flags = dict(HAS_CAP=logit_cap > 0, INDEXED=indexed, HAS_MAP=slot_map is not None)
     if kind == "head":
         handle = _stage1_head[(batch, num_q_heads, splits)](
             *common, GROUP=group, DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
@@ -389,6 +403,7 @@ def decode_sink_recent(
     impl: Impl = "auto",
     block_n: int = DEFAULT_BLOCK_N,
     out: torch.Tensor | None = None,
+    slot_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of each request over its first ``sink`` and last ``recent`` tokens.
 
@@ -396,15 +411,26 @@ def decode_sink_recent(
     with ``seq_len <= sink + recent`` get exact full attention; ``seq_len == 0`` gives zeros.
     ``sink=0, recent=req_to_token.shape[1]`` is ordinary full decode attention. No host sync:
     the split count comes from ``min(sink + recent, max_context)`` unless given.
+    ``slot_map`` (1-D, int32/int64), when given, translates every slot read from
+    ``req_to_token`` before K/V are indexed: pass SGLang's ``full_to_swa_index_mapping`` to
+    serve a compressed layer from the SWA sub-pool of a hybrid pool.
     Returns ``[batch, num_q_heads, head_dim_v]`` in ``q.dtype`` (or writes ``out``).
     """
     check_window(sink, recent)
     if req_to_token.dim() != 2:
         raise ValueError("req_to_token must be [num_reqs, max_context]")
+    check_slot_map(slot_map)
     max_kept = min(sink + recent, req_to_token.shape[1])
     return _launch(q, k_buffer, v_buffer, seq_lens, req_pool_indices, req_to_token, None,
                    None, sink, recent, max_kept, sm_scale, logit_cap, num_kv_splits, impl,
-                   block_n, out)
+                   block_n, out, slot_map)
+
+
+def check_slot_map(slot_map: torch.Tensor | None) -> None:
+    """A slot map is a 1-D integer table indexed by pool slot."""
+    if slot_map is not None and (slot_map.dim() != 1 or slot_map.dtype not in (torch.int32,
+                                                                               torch.int64)):
+        raise ValueError("slot_map must be a 1-D int32/int64 tensor")
 
 
 def decode_paged_indices(

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_sink_recent import _interpreting, _remember, _soft_cap
+from .decode_sink_recent import _interpreting, _map_slot, _remember, _soft_cap, check_slot_map
 from .indices import check_window
 
 DEFAULT_BLOCK_M = 64  # queries per program (16-bit inputs)
@@ -44,16 +44,17 @@ FP32_BLOCK = 16  # both blocks for fp32: the broadcast path holds [M, N, D] in r
 
 @triton.jit
 def _key_block(
-    q, acc, m_i, l_i, start, end, qpos, q_valid, row, K, V, kvh, sink, recent, sm_scale,
-    logit_cap, stride_kn, stride_kh, stride_vn, stride_vh, offs_dk, offs_dv, mask_dk, mask_dv,
-    BLOCK_N: tl.constexpr, HAS_CAP: tl.constexpr, USE_DOT: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    q, acc, m_i, l_i, start, end, qpos, q_valid, row, SlotMap, K, V, kvh, sink, recent,
+    sm_scale, logit_cap, stride_kn, stride_kh, stride_vn, stride_vh, offs_dk, offs_dv, mask_dk,
+    mask_dv, BLOCK_N: tl.constexpr, HAS_CAP: tl.constexpr, USE_DOT: tl.constexpr,
+    DOT_FP32: tl.constexpr, HAS_MAP: tl.constexpr,
 ):
     """Online-softmax update of one query block with keys ``[start, min(start + BLOCK_N,
     end))``; masked entries (window rule, causality, padding) weigh zero."""
     j = start + tl.arange(0, BLOCK_N)
     k_valid = j < end
-    slot = tl.load(row + j, mask=k_valid, other=0).to(tl.int64)
+    slot = _map_slot(tl.load(row + j, mask=k_valid, other=0).to(tl.int64), SlotMap, k_valid,
+                     HAS_MAP)
     keep = (j[None, :] <= qpos[:, None]) & (
         (j[None, :] < sink) | (j[None, :] > qpos[:, None] - recent))
     keep = keep & k_valid[None, :] & q_valid[:, None]
@@ -97,14 +98,14 @@ def _key_block(
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, Out, QoIndptr, SeqLens, ReqPoolIdx, ReqToToken,
+    Q, K, V, Out, QoIndptr, SeqLens, ReqPoolIdx, ReqToToken, SlotMap,
     sm_scale, logit_cap, sink, recent,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
     stride_r2t,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, HAS_CAP: tl.constexpr, USE_DOT: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, HAS_MAP: tl.constexpr,
 ):
     """One (request, q head, query block) per program.
 
@@ -144,14 +145,14 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for start in range(0, s_hi, BLOCK_N):  # sink keys below the window
         acc, m_i, l_i = _key_block(
-            q, acc, m_i, l_i, start, s_hi, qpos, q_valid, row, K, V, kvh, sink, recent,
-            sm_scale, logit_cap, stride_kn, stride_kh, stride_vn, stride_vh, offs_dk, offs_dv,
-            mask_dk, mask_dv, BLOCK_N, HAS_CAP, USE_DOT, DOT_FP32)
+            q, acc, m_i, l_i, start, s_hi, qpos, q_valid, row, SlotMap, K, V, kvh, sink,
+            recent, sm_scale, logit_cap, stride_kn, stride_kh, stride_vn, stride_vh, offs_dk,
+            offs_dv, mask_dk, mask_dv, BLOCK_N, HAS_CAP, USE_DOT, DOT_FP32, HAS_MAP)
     for start in range(w_lo, w_hi, BLOCK_N):  # the window, causal part included
         acc, m_i, l_i = _key_block(
-            q, acc, m_i, l_i, start, w_hi, qpos, q_valid, row, K, V, kvh, sink, recent,
-            sm_scale, logit_cap, stride_kn, stride_kh, stride_vn, stride_vh, offs_dk, offs_dv,
-            mask_dk, mask_dv, BLOCK_N, HAS_CAP, USE_DOT, DOT_FP32)
+            q, acc, m_i, l_i, start, w_hi, qpos, q_valid, row, SlotMap, K, V, kvh, sink,
+            recent, sm_scale, logit_cap, stride_kn, stride_kh, stride_vn, stride_vh, offs_dk,
+            offs_dv, mask_dk, mask_dv, BLOCK_N, HAS_CAP, USE_DOT, DOT_FP32, HAS_MAP)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + tok[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
@@ -175,6 +176,7 @@ def extend_sink_recent(
     block_m: int | None = None,
     block_n: int | None = None,
     out: torch.Tensor | None = None,
+    slot_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Extend attention of each request's new tokens over its sink + recent keys.
 
@@ -184,9 +186,12 @@ def extend_sink_recent(
     ``max_extend_len`` bounds the new tokens of any request and sizes the grid; without it the
     wrapper reads it from ``qo_indptr`` (one host sync). Rows of ``q`` that belong to no
     request are left untouched in ``out``. ``sink=0, recent >= seq_len`` is ordinary causal
-    attention. Returns ``[total_new_tokens, num_q_heads, head_dim_v]`` in ``q.dtype``.
+    attention. ``slot_map`` translates slots as in
+    :func:`~.decode_sink_recent.decode_sink_recent` (hybrid pools: full -> SWA).
+    Returns ``[total_new_tokens, num_q_heads, head_dim_v]`` in ``q.dtype``.
     """
     check_window(sink, recent)
+    check_slot_map(slot_map)
     if q.dim() != 3 or k_buffer.dim() != 3 or v_buffer.dim() != 3:
         raise ValueError("q, k_buffer, v_buffer must be 3-D [tokens|slots, heads, dim]")
     if k_buffer.shape[:2] != v_buffer.shape[:2] or q.shape[2] != k_buffer.shape[2]:
@@ -222,14 +227,14 @@ def extend_sink_recent(
     grid = (batch, num_q_heads, triton.cdiv(max_extend_len, bm))
     handle = _extend_kernel[grid](
         q, k_buffer, v_buffer, out, qo_indptr, seq_lens, req_pool_indices, req_to_token,
-        scale, float(logit_cap), int(sink), int(recent),
+        slot_map if slot_map is not None else seq_lens, scale, float(logit_cap), int(sink), int(recent),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
         req_to_token.stride(0),
         GROUP=num_q_heads // num_kv_heads, DK=dk, DV=dv, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_DK=max(16, triton.next_power_of_2(dk)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         HAS_CAP=logit_cap > 0, USE_DOT=use_dot,
-        DOT_FP32=q.dtype == torch.bfloat16 and _interpreting(),
+        DOT_FP32=q.dtype == torch.bfloat16 and _interpreting(), HAS_MAP=slot_map is not None,
         num_warps=4 if use_dot else 8,
     )
     _remember("extend_dot" if use_dot else "extend_vector", handle)

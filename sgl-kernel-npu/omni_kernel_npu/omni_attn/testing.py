@@ -125,3 +125,39 @@ def make_extend_inputs(
                         v_buffer=base.v_buffer, req_to_token=base.req_to_token,
                         req_pool_indices=base.req_pool_indices, seq_lens=base.seq_lens,
                         qo_indptr=indptr.to(device))
+
+
+def to_hybrid_pool(k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
+                   seq_lens: torch.Tensor, req_pool_indices: torch.Tensor, sink: int,
+                   recent: int, *, page_size: int = 1, seed: int = 0, poison: bool = True,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Move K/V into a separate "SWA" pool as SGLang's hybrid pool holds compressed layers.
+
+    Returns ``(swa_k, swa_v, slot_map)``: ``slot_map[full_slot]`` is the SWA slot holding that
+    token (pages move whole, to shuffled SWA pages). Tokens outside each request's sink +
+    recent window are "evicted": their map entry is 0 and, with ``poison``, SWA slot 0 holds
+    NaN, so a kernel that reads an evicted key produces NaN.
+    """
+    gen = torch.Generator().manual_seed(seed + 7)
+    num_slots = k_buffer.shape[0]
+    num_pages = -(-num_slots // page_size)
+    swa_pages = torch.randperm(num_pages, generator=gen) + 1  # SWA page 0 stays the pad page
+    full = torch.arange(num_slots)
+    slot_map = swa_pages[full // page_size] * page_size + full % page_size
+    keep = torch.zeros(num_slots, dtype=torch.bool)
+    for row, n in zip(req_pool_indices.tolist(), seq_lens.tolist(), strict=True):
+        pos = torch.arange(n)
+        kept = (pos < sink) | (pos >= n - recent)
+        keep[req_to_token[row, :n][kept].long().cpu()] = True
+    slot_map = torch.where(keep, slot_map, torch.zeros_like(slot_map))
+    swa_size = (num_pages + 1) * page_size
+    device = k_buffer.device
+    swa_k = torch.zeros(swa_size, *k_buffer.shape[1:], dtype=k_buffer.dtype, device=device)
+    swa_v = torch.zeros(swa_size, *v_buffer.shape[1:], dtype=v_buffer.dtype, device=device)
+    dst = slot_map[keep].to(device)
+    swa_k[dst] = k_buffer[full[keep].to(device)]
+    swa_v[dst] = v_buffer[full[keep].to(device)]
+    if poison:
+        swa_k[0] = float("nan")
+        swa_v[0] = float("nan")
+    return swa_k, swa_v, slot_map.to(device)
