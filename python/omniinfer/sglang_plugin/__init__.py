@@ -25,9 +25,11 @@ def in_scheduler_process() -> bool:
 def load() -> None:
     """Register the omni hooks in the current SGLang process."""
     from omniinfer.cpu.detect import cpu_engine_active
-    from omniinfer.sglang_plugin import server_args
+    from omniinfer.sglang_plugin import omni_attn_triton, server_args
 
     server_args.register()
+    # --attention-backend omni_triton: a choice everywhere, a factory where models run.
+    omni_attn_triton.register_backend(with_factory=in_scheduler_process())
     if in_scheduler_process():
         from omniinfer.sglang_plugin import worker
 

@@ -17,7 +17,9 @@ Scheduler side (:func:`register`), all through HookRegistry:
 - the memory: with ``--max-total-tokens M`` the two sub-pools together get the bytes ``M``
   tokens take without a pattern (SGLang alone would give the full pool ``M`` tokens and add the
   SWA pool on top, which frees nothing);
-- attention: :mod:`omni_attn_backend` serves compressed layers on ``torch_native``;
+- attention: :mod:`omni_attn_backend` serves compressed layers on ``torch_native`` (CPU), and
+  :mod:`omni_attn_triton` is the ``omni_triton`` backend (SGLang's Triton backend for full
+  layers, the sgl-kernel-npu sink + recent kernels for compressed ones; any page size);
 - status: :mod:`omni_attn_status` writes ``attn.json`` for ``GET /omni/attn``.
 """
 
@@ -37,7 +39,8 @@ from omniinfer.flags import OmniConfig, OmniFlagError
 
 logger = logging.getLogger("omniinfer")
 
-SUPPORTED_BACKENDS = ("torch_native",)
+SUPPORTED_BACKENDS = ("torch_native", "omni_triton")
+PAGED_BACKENDS = ("omni_triton",)  # backends that serve compressed layers at any page size
 TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
 EVICT_SLIDING_WINDOWS = "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.evict_sliding_windows"
 SWA_COMPONENT_FREE = (
@@ -96,9 +99,19 @@ def prepare_namespace(namespace: argparse.Namespace, config: OmniConfig) -> Patt
             f"--omni-attn-pattern: needs --attention-backend {' or '.join(SUPPORTED_BACKENDS)}, "
             f"got {backend}"
         )
+    for phase in ("prefill", "decode"):
+        override = getattr(namespace, f"{phase}_attention_backend", None)
+        if override not in (None, backend):
+            raise OmniFlagError(
+                f"--omni-attn-pattern: --{phase}-attention-backend must be {backend} too, "
+                f"got {override}"
+            )
     page_size = getattr(namespace, "page_size", None)
-    if page_size not in (None, 1):
-        raise OmniFlagError("--omni-attn-pattern: needs --page-size 1")
+    if page_size not in (None, 1) and backend not in PAGED_BACKENDS:
+        raise OmniFlagError(
+            f"--omni-attn-pattern: --page-size {page_size} needs --attention-backend "
+            f"{' or '.join(PAGED_BACKENDS)} ({backend} serves compressed layers at page size 1)"
+        )
     if getattr(namespace, "disable_hybrid_swa_memory", False):
         raise OmniFlagError("--omni-attn-pattern: cannot be combined with --disable-hybrid-swa-memory")
     if getattr(namespace, "speculative_algorithm", None):
@@ -250,13 +263,14 @@ def register(config: OmniConfig) -> None:
     """Worker-side hooks; the launcher already validated the pattern against the model."""
     from sglang.srt.plugins.hook_registry import HookType
 
-    from omniinfer.sglang_plugin import hooks
+    from omniinfer.sglang_plugin import hooks, omni_attn_triton
     from omniinfer.sglang_plugin.omni_attn_backend import CompressedAttention, around_forward
 
     assert config.omni_attn_pattern is not None
     pattern = load(Path(config.omni_attn_pattern))
     _State.pattern = pattern
     _State.attention = CompressedAttention(pattern.compressed_layers, pattern.sink, pattern.recent)
+    omni_attn_triton.set_pattern(pattern.compressed_layers, pattern.sink, pattern.recent)
     wanted: list[tuple[str, Callable[..., Any], HookType]] = [
         (f"{TORCH_NATIVE}.forward_extend", around_forward(_State.attention, False), HookType.AROUND),
         (f"{TORCH_NATIVE}.forward_decode", around_forward(_State.attention, True), HookType.AROUND),
