@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job on the embedded default model: the real SGLang on this CPU with SmolLM2-135M and
-# the omniinfer plugin, one chat answer, a short closed-loop benchmark table; every process it
-# starts is stopped at the end. Extra arguments go to `python -m omniinfer.demo`.
+# The deployment this project is for, on the embedded default model: one prefill and one decode
+# real SGLang server on this CPU (SmolLM2-135M, the omniinfer plugin, KV over Mooncake TCP),
+# OmniProxy with OAS in front in PD mode, one chat answer, a short closed-loop benchmark table;
+# every process it starts is stopped at the end. Extra arguments go to `python -m omniinfer.demo`.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"

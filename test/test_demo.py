@@ -1,4 +1,4 @@
-"""scripts/demo.sh on the embedded SmolLM2: a real answer and the benchmark table."""
+"""scripts/demo.sh on the embedded SmolLM2: real 1P1D behind OmniProxy, an answer and the table."""
 
 from __future__ import annotations
 
@@ -24,5 +24,5 @@ def test_demo_answers_and_prints_benchmark_table(tmp_path: Path) -> None:
     assert "Requests per minute (QPM)" in result.stdout and "Completed / errors" in result.stdout
     assert "4 / 0" in result.stdout
     assert (tmp_path / "bench-summary.json").is_file()
-    assert "[demo] server and router stopped" in result.stdout
-    assert "OmniProxy (cache_aware) in front" in result.stdout
+    assert "[demo] servers and router stopped" in result.stdout
+    assert "OmniProxy (oas, PD mode) in front" in result.stdout

@@ -1,4 +1,7 @@
-"""The end-to-end demo: the real SGLang with the plugin, OmniProxy in front, a chat answer, a benchmark.
+"""The end-to-end demo: the deployment this project is for, on this CPU.
+
+One prefill and one decode real SGLang server with the plugin (KV over Mooncake's TCP transport),
+OmniProxy with OAS in front of them in PD mode, one chat answer, then a closed-loop benchmark.
 
 Every process it starts runs in one process group that is stopped on exit, also on Ctrl-C.
 """
@@ -17,7 +20,7 @@ from pathlib import Path
 from omniinfer.bench.metrics import format_table, summarize
 from omniinfer.bench.runner import run_closed_loop
 from omniinfer.bench.workloads import WorkloadSpec, text_corpus
-from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
+from omniinfer.launch_pd import pd_server, router_args, started
 from omniinfer.proxy.process import RouterProcess
 
 QUESTION = "What is the capital of France? Answer in one short sentence."
@@ -54,23 +57,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--max-total-tokens", type=int, default=16384)
+    parser.add_argument("--policy", default="oas", help="OmniProxy prefill and decode policy")
     args = parser.parse_args(argv)
 
-    port = free_port()
-    command = cpu_server_command(args.model, port, args.max_total_tokens)
-    log = args.output_dir / "sglang-server.log"
-    print(f"[demo] starting SGLang on {args.model.name} (CPU engine, plugin loaded); log: {log}")
-    started = time.monotonic()
-    with SGLangServer(command, cpu_env(), log, port) as server:
-        print(f"[demo] server ready in {time.monotonic() - started:.0f} s at {server.base_url}")
-        router_log = args.output_dir / "omniproxy.log"
+    logs = args.output_dir
+    servers = [pd_server(args.model, "prefill", logs, args.max_total_tokens),
+               pd_server(args.model, "decode", logs, args.max_total_tokens)]
+    print(f"[demo] starting one prefill and one decode SGLang server on {args.model.name} "
+          f"(CPU engine, plugin loaded, KV over Mooncake TCP); logs in {logs}")
+    began = time.monotonic()
+    with started(servers):
+        prefill, decode = servers
+        print(f"[demo] servers ready in {time.monotonic() - began:.0f} s: prefill "
+              f"{prefill.base_url} (bootstrap port {prefill.bootstrap_port}), decode {decode.base_url}")
+        router_log = logs / "omniproxy.log"
         router = RouterProcess(
-            ["--worker-urls", server.base_url, "--policy", "cache_aware",
+            [*router_args(servers), "--prefill-policy", args.policy, "--decode-policy",
+             args.policy if args.policy.startswith("oas") else "round_robin",
              "--model-path", str(args.model)], router_log)
         with router:
-            print(f"[demo] OmniProxy (cache_aware) in front of it at {router.base_url}; log: {router_log}")
+            print(f"[demo] OmniProxy ({args.policy}, PD mode) in front of them at "
+                  f"{router.base_url}; log: {router_log}")
             failed = _ask_and_benchmark(router.base_url, args)
-    print("[demo] server and router stopped")
+    print("[demo] servers and router stopped")
     return 1 if failed else 0
 
 
@@ -92,7 +101,7 @@ def _ask_and_benchmark(base_url: str, args: argparse.Namespace) -> list[object]:
     results, duration = asyncio.run(run_closed_loop(base_url, requests, args.concurrency))
     summary = summarize(results, duration)
     summary["concurrency"] = args.concurrency
-    print(format_table(summary, f"SGLang on CPU via OmniProxy, {args.model.name}"))
+    print(format_table(summary, f"SGLang 1P1D on CPU via OmniProxy, {args.model.name}"))
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "bench-summary.json").write_text(json.dumps(summary, indent=2))
     failed = [r for r in results if not r.ok]

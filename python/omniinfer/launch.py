@@ -111,7 +111,8 @@ class ManagedProcess:
         except OSError:
             return "(no log)"
 
-    def start(self) -> ManagedProcess:
+    def launch(self) -> ManagedProcess:
+        """Start the child without waiting for it (start several, then ``wait_ready`` each)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
@@ -119,6 +120,10 @@ class ManagedProcess:
                 start_new_session=True,
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
+        return self
+
+    def start(self) -> ManagedProcess:
+        self.launch()
         try:
             self.wait_ready()
         except BaseException:

@@ -1,0 +1,105 @@
+"""Helpers for the real-PD tests: prompts, requests to servers and routers, idle checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import omniinfer.data
+from omniinfer.launch import free_port
+from omniinfer.launch_pd import held, load
+from omniinfer.proxy.process import RouterProcess
+
+TEXT = (Path(omniinfer.data.__file__).parent / "text" / "paradise_lost.txt").read_text()
+START = TEXT.index("Of Mans First Disobedience") if "Of Mans First Disobedience" in TEXT else 0
+
+PROMPTS: list[str] = [
+    "The capital of France is",
+    "List three colours of the rainbow:",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    # about 1,100 tokens of verse, then an instruction
+    TEXT[START:START + 4800] + "\n\nIn one sentence, what is this passage about?",
+]
+MAX_NEW_TOKENS = 24
+
+
+def gen_body(prompt: str | list[str], stream: bool = False, max_new_tokens: int = MAX_NEW_TOKENS,
+             **extra: Any) -> dict[str, Any]:
+    return {"text": prompt, "stream": stream,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens,
+                                "ignore_eos": True}, **extra}
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 300.0) -> tuple[int, Any]:
+    """(status, JSON or text); non-2xx answers are returned, not raised."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, _decode(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, _decode(err.read())
+
+
+def _decode(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return data.decode(errors="replace")
+
+
+def sse_events(text: str) -> list[Any]:
+    events: list[Any] = []
+    for line in text.splitlines():
+        if line.startswith("data:"):
+            payload = line[5:].strip()
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def stream_text(url: str, body: dict[str, Any]) -> tuple[int, list[Any]]:
+    status, raw = post(url, dict(body, stream=True))
+    return status, sse_events(raw) if isinstance(raw, str) else [raw]
+
+
+def assert_idle(url: str, timeout_s: float = 60.0) -> None:
+    """The server ends up holding nothing for any request (running, queued, KV in use)."""
+    deadline = time.monotonic() + timeout_s
+    reading = held(load(url))
+    while any(reading.values()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        reading = held(load(url))
+    assert not any(reading.values()), f"{url} still holds {reading}"
+
+
+@contextmanager
+def omniproxy(servers: Sequence[Any], policy: str, model: Path, log_dir: Path,
+              extra: Sequence[str] = ()) -> Iterator[RouterProcess]:
+    from omniinfer.launch_pd import router_args
+
+    args = [*router_args(servers), "--prefill-policy", policy,
+            "--decode-policy", "oas" if policy.startswith("oas") else "round_robin",
+            "--model-path", str(model), *extra]
+    with RouterProcess(args, log_dir / f"omniproxy-{policy}-{free_port()}.log") as router:
+        yield router
+
+
+@contextmanager
+def sglang_router(servers: Sequence[Any], log_dir: Path, policy: str = "round_robin"
+                  ) -> Iterator[Any]:
+    from omniinfer.launch_pd import sglang_router as peer
+
+    with peer(servers, log_dir / f"sglang-router-{free_port()}.log", policy) as router:
+        yield router
+
+
+def run(command: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(command), capture_output=True, text=True, timeout=timeout)
