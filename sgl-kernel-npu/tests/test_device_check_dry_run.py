@@ -13,7 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
+import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -52,7 +54,25 @@ def test_dry_run_covers_every_step(tmp_path: Path) -> None:
     staging = result["staging"]
     assert staging["intact"] is True and staging["streams"] is False
     assert staging["slowdown_same_stream"] > 0 and staging["layers"] == 2
+    slot_rows = result["slot_map"]
+    assert len(slot_rows) == 2 * len(cfg["slot_map_contexts"]) * len(cfg["pages"])
+    assert {(r["kernel"], r["page_size"]) for r in slot_rows} == {
+        (k, p) for k in ("decode", "extend") for p in (1, 16, 64)}
+    assert all(r["ok"] and r["finite"] and r["err"] <= r["tol"] and r["evicted_slots"] > 0
+               for r in slot_rows)
+    timing = result["slot_map_timing"]
+    assert timing["identical"] and timing["context"] == cfg["slot_map_timing_context"]
+    assert timing["no_map"]["median_ms"] > 0 and timing["slot_map"]["median_ms"] > 0
+    placement = result["placement"]
+    assert placement["imports"]["ok"] and placement["imports"]["sglang_imported"] is False
+    assert placement["imports"]["from"] == "python/omniinfer/placement/staging.py"
+    assert placement["platform"]["is_device"] is False
+    stager = placement["stager"]
+    assert stager["dedicated_stream"] and stager["local"] and stager["received"]
+    assert stager["sent"] and placement["staging"]["intact"] is True
+    assert placement["staging"]["staged_mb"] > 0 and placement["host_copy"]["ok"] is True
     assert result["skipped"] == []
+    assert result["steps"] == ["correctness", "slot_map", "timings", "staging", "placement"]
     assert all(v is not False for v in result["ok"].values())
     assert "verdicts" in proc.stdout and "FAIL" not in proc.stdout
 
@@ -62,6 +82,29 @@ def test_budget_skips_and_records() -> None:
     assert budget.allows("decode timing at 2048") is False
     assert budget.skipped and "decode timing at 2048" in budget.skipped[0]
     assert _load("device_check").Budget(1e6).allows("x") is True
+
+
+def test_steps_select_and_reject() -> None:
+    check = _load("device_check")
+    assert check._parse(["--steps", "slot_map,placement"]).steps == ["slot_map", "placement"]
+    with pytest.raises(SystemExit):
+        check._parse(["--steps", "slot_map,nope"])
+
+
+def test_placement_check_catches_a_stager_that_drops_a_copy(monkeypatch: Any) -> None:
+    """The real-staging check must fail when a staged slot never reaches the live weights."""
+    check = _load("placement_staging_check")
+    cfg = dict(_load("device_check").DRY, staging_reps=1)
+    mods, _ = check.import_placement()
+    real_stage = mods.staging.SlotStager.stage
+
+    def lossy(self: Any, copies: Any) -> Any:
+        staged = real_stage(self, copies)
+        staged.copies.pop(next(iter(staged.copies)))
+        return staged
+
+    monkeypatch.setattr(mods.staging.SlotStager, "stage", lossy)
+    assert check.run_placement_staging(cfg, "cpu")["staging"]["intact"] is False
 
 
 def test_staging_verification_sees_a_wrong_copy() -> None:
