@@ -23,8 +23,14 @@ from aiohttp import web
 STATE: dict = {
     "role": "regular", "token_delay": 0.002, "prefill_delay": 0.01, "fail_status": 0,
     "prefill_fail": False, "die_after_tokens": -1, "requests": [], "aborts": [],
-    "rooms": {}, "aborted": set(), "prefill_response_delay": 0.0,
+    "rooms": {}, "aborted": set(), "prefill_response_delay": 0.0, "hang": False,
+    "hang_after_tokens": -1,
 }
+
+
+def _aborted(rid: str) -> bool:
+    """As SGLang: /abort_request aborts every request whose rid starts with the given one."""
+    return any(isinstance(a, str) and rid.startswith(a) for a in STATE["aborted"])
 
 
 def _json(data: object, status: int = 200) -> web.Response:
@@ -112,7 +118,7 @@ async def _wait_for_kv(body: dict, rid: str) -> bool:
     url = f"http://{body['bootstrap_host']}:{body['bootstrap_port']}/_emulated/room/" \
           f"{body['bootstrap_room']}"
     async with aiohttp.ClientSession() as session:
-        while rid not in STATE["aborted"]:
+        while not _aborted(rid):
             try:
                 async with session.get(url) as resp:
                     if (await resp.json())["state"] == "done":
@@ -130,9 +136,15 @@ def _endpoint(path: str) -> str:
 async def generate(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     endpoint = _endpoint(request.path)
-    entry = {"path": request.path, "body": body, "t": time.time()}
+    entry = {"path": request.path, "body": body, "t": time.time(),
+             "authorization": request.headers.get("Authorization")}
     STATE["requests"].append(entry)
     rid = body.get("rid") or "emulated-rid"
+    if STATE["hang"]:  # accepts the request and never answers (until aborted)
+        while not _aborted(rid):
+            await asyncio.sleep(0.01)
+        entry["done"] = True
+        return _json(_final(_endpoint(request.path), rid, 0, 0))
     if STATE["fail_status"]:
         return _json({"error": {"message": "emulated failure"}}, status=STATE["fail_status"])
     params = body.get("sampling_params") or {}
@@ -164,8 +176,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         for i in range(1, n + 1):
-            if rid in STATE["aborted"]:
+            if _aborted(rid):
                 break
+            while STATE["hang_after_tokens"] == i - 1 and not _aborted(rid):
+                await asyncio.sleep(0.01)  # silent mid-stream, until aborted
             await asyncio.sleep(STATE["token_delay"])
             if STATE["die_after_tokens"] == i - 1:
                 os._exit(1)

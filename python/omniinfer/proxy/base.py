@@ -15,8 +15,9 @@ import dataclasses
 import importlib
 import pkgutil
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
+from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.prefix import PrefixIndex
 from omniinfer.proxy.workers import Role, Worker
 
@@ -54,7 +55,7 @@ class Decision:
 class PolicyContext:
     """Router state shared with policies (read-only for them)."""
 
-    config: Any  # omniinfer.proxy.config.RouterConfig
+    config: RouterConfig
     prefix_index: PrefixIndex
     role: Role
     mean_request_tokens: float = 512.0
@@ -91,6 +92,10 @@ class PolicyHooks:
 
     def on_complete(self, request: RouteRequest, worker: Worker, ok: bool) -> None:
         """The worker is done with the request (ok False: it failed or was aborted)."""
+
+    def on_cancelled(self, request: RouteRequest, worker: Worker) -> None:
+        """The decision for ``worker`` was made but nothing was sent (give back any booking)."""
+        self.on_complete(request, worker, False)
 
     def on_loads(self, worker: Worker) -> None:
         """``worker.loads`` was refreshed from the worker's /v1/loads."""

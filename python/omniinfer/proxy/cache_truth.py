@@ -118,8 +118,11 @@ def _split_pages(event: Stored) -> list[tuple[int, tuple[int, ...]]] | None:
 class WorkerCacheTruth:
     """One worker's cache as router blocks: the union of its publishers' pages → its index."""
 
-    def __init__(self, key: str, index: PrefixIndex, block_size: int, sources: int = 1) -> None:
+    def __init__(self, key: str, index: PrefixIndex, block_size: int, sources: int = 1,
+                 max_pages: int = 1 << 22) -> None:
         self.key = key
+        self.max_pages = max_pages  # per publisher; beyond it that publisher's view is reset
+        self.overflows = 0
         self.index = index
         self.chains = [PageChain(block_size) for _ in range(max(1, sources))]
         self._counts: dict[int, int] = {}
@@ -139,6 +142,9 @@ class WorkerCacheTruth:
             elif isinstance(event, Cleared):
                 self.cleared += 1
                 self._release(chain.clear())
+        if len(chain) > self.max_pages:  # a publisher that never evicts cannot grow us forever
+            self.overflows += 1
+            self.reset(source)
 
     def reset(self, source: int | None = None) -> None:
         """Forget what ``source`` (or every source) said: after a gap, a restart, a re-admission."""
@@ -173,7 +179,8 @@ class WorkerCacheTruth:
         stats = [dataclasses.asdict(c.stats) for c in self.chains]
         total = {k: sum(s[k] for s in stats) for k in stats[0]}
         return {"router_blocks": self.blocks(), "worker_pages": sum(len(c) for c in self.chains),
-                "batches": self.batches, "cleared": self.cleared, "resets": self.resets, **total}
+                "batches": self.batches, "cleared": self.cleared, "resets": self.resets,
+                "overflows": self.overflows, **total}
 
 
 class SequenceCheck:

@@ -41,17 +41,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=[], metavar="URL=tcp://HOST:PORT",
                    help="a worker's KV-event publisher, if not the one its /server_info names "
                    "(repeat per worker; repeat a worker for its DP ranks, in order)")
+    r.add_argument("--kv-events-max-dp-size", type=int, default=D.kv_events_max_dp_size,
+                   help="publishers (DP ranks) a worker's /server_info may name")
+    r.add_argument("--kv-events-max-pages", type=int, default=D.kv_events_max_pages,
+                   help="pages remembered per publisher; past it that view is reset")
     r.add_argument("--oas-ttft-slo-secs", type=float, default=None,
                    help="oas: the TTFT objective; waiting requests that can still meet it are "
                    "released before those that no longer can (which the hold bound still "
                    "releases in time). Default: no objective, short-and-old first for all")
+    r.add_argument("--oas-lead-fraction", type=float, default=D.oas_lead_fraction,
+                   help="oas: release a held request this fraction of a predicted cycle "
+                   "before its instance's next batch boundary (0-1]")
+    r.add_argument("--oas-hold-bound-cycles", type=float, default=D.oas_hold_bound_cycles,
+                   help="oas: hold a request at most this many predicted batch cycles "
+                   "(oas_goodput uses 32 whatever this says)")
+    r.add_argument("--oas-batch-tokens", type=float, default=D.oas_batch_tokens,
+                   help="oas: tokens of one prefill batch assumed until one is measured")
+    r.add_argument("--oas-decode-max-running", type=int, default=D.oas_decode_max_running,
+                   help="oas decode: requests running per decode worker before new ones wait "
+                   "(0: the worker's reported max_running_requests)")
     r.add_argument("--model-path", default=None, help="served model (its tokenizer is used)")
     r.add_argument("--tokenizer-path", default=None, help="tokenizer, if not the model's")
     r.add_argument("--default-max-new-tokens", type=int, default=D.default_max_new_tokens,
                    help="expected output tokens when a request gives no limit")
     q = p.add_argument_group("admission, retries, health")
     q.add_argument("--max-payload-size", type=int, default=D.max_payload_size)
-    q.add_argument("--request-timeout-secs", type=float, default=D.request_timeout_secs)
+    q.add_argument("--request-timeout-secs", type=float, default=D.request_timeout_secs,
+                   help="total time of one upstream attempt")
+    q.add_argument("--upstream-connect-timeout-secs", type=float,
+                   default=D.upstream_connect_timeout_secs)
+    q.add_argument("--upstream-first-byte-timeout-secs", type=float,
+                   default=D.upstream_first_byte_timeout_secs,
+                   help="streams: time to the first event (queue + prefill)")
+    q.add_argument("--upstream-idle-timeout-secs", type=float,
+                   default=D.upstream_idle_timeout_secs,
+                   help="streams: longest silence between two events")
+    q.add_argument("--client-header-timeout-secs", type=float,
+                   default=D.client_header_timeout_secs,
+                   help="a client's request head must arrive within this")
+    q.add_argument("--client-body-timeout-secs", type=float, default=D.client_body_timeout_secs)
+    q.add_argument("--max-connections", type=int, default=D.max_connections,
+                   help="open client connections; more are refused with a 503")
+    q.add_argument("--tokenize-concurrency", type=int, default=D.tokenize_concurrency,
+                   help="large prompts tokenized at once, off the event loop")
     q.add_argument("--max-concurrent-requests", type=int, default=D.max_concurrent_requests,
                    help="requests in flight (<= 0: unlimited)")
     q.add_argument("--queue-size", type=int, default=D.queue_size,
@@ -76,8 +108,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--disable-circuit-breaker", action="store_true")
     q.add_argument("--loads-poll-interval-secs", type=float, default=D.loads_poll_interval_secs,
                    help="poll each worker's /v1/loads this often (0: never)")
+    a = p.add_argument_group("security (as sglang_router)")
+    a.add_argument("--api-key", default=None,
+                   help="sent to workers as 'Authorization: Bearer KEY'; clients must present "
+                   "it too (except /health* and /metrics), as SGLang's server requires")
+    a.add_argument("--control-plane-api-keys", nargs="*", default=[],
+                   metavar="ID:NAME:ROLE:KEY",
+                   help="named keys, role admin (admin routes and data plane) or user (data "
+                   "plane). Without an admin key, /add_worker, /remove_worker and /flush_cache "
+                   "answer loopback clients only")
+    a.add_argument("--control-plane-audit-enabled", action="store_true",
+                   help="log each admin call: key id, role, method, path, outcome")
     o = p.add_argument_group("observability")
     o.add_argument("--access-log", default=None, help="JSONL file, one line per request")
+    o.add_argument("--access-log-max-bytes", type=int, default=D.access_log_max_bytes,
+                   help="rotate the access log past this size")
+    o.add_argument("--access-log-backups", type=int, default=D.access_log_backups)
     o.add_argument("--prometheus-host", default=None, help="also serve /metrics on this host")
     o.add_argument("--prometheus-port", type=int, default=None, help="... and this port")
     o.add_argument("--log-level", default=D.log_level, choices=["debug", "info", "warn", "error"])

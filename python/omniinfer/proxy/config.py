@@ -29,10 +29,24 @@ class RouterConfig:
     cache_truth: str = "router"  # "router": own index, filled on route; "kv-events": workers' events
     kv_events_endpoints: list[str] = dataclasses.field(default_factory=list)  # URL=tcp://H:P
     oas_ttft_slo_secs: float | None = None  # OAS: requests that can still meet it go first
+    oas_lead_fraction: float = 1.0  # OAS: release this fraction of a cycle before the boundary
+    oas_hold_bound_cycles: float = 8.0  # OAS: longest hold, in predicted batch cycles
+    oas_batch_tokens: float = 8192.0  # OAS: assumed batch budget until one is measured
+    oas_decode_max_running: int = 0  # OAS decode: running cap per worker (0: its own report)
     model_path: str | None = None
     tokenizer_path: str | None = None
     max_payload_size: int = 256 * 1024 * 1024
-    request_timeout_secs: float = 1800.0
+    request_timeout_secs: float = 1800.0  # sglang_router's meaning: the total per attempt
+    upstream_connect_timeout_secs: float = 10.0
+    upstream_first_byte_timeout_secs: float = 600.0  # streams: until the first event
+    upstream_idle_timeout_secs: float = 300.0  # streams: between two reads
+    client_header_timeout_secs: float = 30.0  # a connection's request head, first byte to last
+    client_body_timeout_secs: float = 60.0
+    max_connections: int = 8192  # open client connections; beyond: refused with a 503
+    tokenize_concurrency: int = 2  # prompts tokenized at once, off the event loop
+    api_key: str | None = None  # presented to workers; clients must present it too
+    control_plane_api_keys: list[str] = dataclasses.field(default_factory=list)  # id:name:role:key
+    control_plane_audit_enabled: bool = False
     max_concurrent_requests: int = 1024
     queue_size: int = 1024
     queue_timeout_secs: float = 60.0
@@ -55,6 +69,10 @@ class RouterConfig:
     loads_poll_interval_secs: float = 1.0
     default_max_new_tokens: int = 128
     access_log: str | None = None
+    access_log_max_bytes: int = 256 << 20  # rotate past this size
+    access_log_backups: int = 3
+    kv_events_max_dp_size: int = 64  # publishers a worker's /server_info may name
+    kv_events_max_pages: int = 1 << 22  # pages remembered per publisher; beyond: reset
     prometheus_host: str | None = None
     prometheus_port: int | None = None
     log_level: str = "info"
@@ -88,6 +106,25 @@ class RouterConfig:
             raise ValueError("--cache-truth must be 'router' or 'kv-events'")
         if self.oas_ttft_slo_secs is not None and not self.oas_ttft_slo_secs > 0:
             raise ValueError("--oas-ttft-slo-secs must be positive")
+        for name in ("upstream_connect_timeout_secs", "upstream_first_byte_timeout_secs",
+                     "upstream_idle_timeout_secs", "client_header_timeout_secs",
+                     "client_body_timeout_secs", "request_timeout_secs", "oas_batch_tokens",
+                     "oas_hold_bound_cycles"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if not 0.0 < self.oas_lead_fraction <= 1.0:
+            raise ValueError("--oas-lead-fraction must be within (0, 1]")
+        for name in ("oas_decode_max_running", "max_connections", "tokenize_concurrency",
+                     "access_log_max_bytes", "access_log_backups", "kv_events_max_dp_size",
+                     "kv_events_max_pages", "max_payload_size"):
+            if getattr(self, name) < (0 if name in ("oas_decode_max_running",
+                                                    "access_log_backups") else 1):
+                raise ValueError(f"--{name.replace('_', '-')} is out of range")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty")
+        from omniinfer.proxy.auth import parse_control_plane_keys
+
+        parse_control_plane_keys(self.control_plane_api_keys)
         if self.kv_events_endpoints:
             if self.cache_truth != "kv-events":
                 raise ValueError("--kv-events-endpoint needs --cache-truth kv-events")

@@ -7,9 +7,11 @@ The per-request flow (regular and PD forwarding) is in ``forward.py``; HTTP rout
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
+import secrets
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -24,7 +26,7 @@ from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.kv_subscriber import CacheTruth, parse_endpoint_overrides
 from omniinfer.proxy.metrics import AccessLog, ProxyMetrics
 from omniinfer.proxy.prefix import PrefixIndex
-from omniinfer.proxy.tokenization import ApproxTokenizer, Tokenizer, load_tokenizer
+from omniinfer.proxy.tokenization import ApproxTokenizer, Tokenizer, load_tokenizer, prompt_tokens
 from omniinfer.proxy.workers import Role, Worker, WorkerLoads, WorkerPool
 
 log = logging.getLogger("omniinfer.proxy")
@@ -46,7 +48,8 @@ class Router:
         self.indexes = {role: PrefixIndex(blocks) for role in Role}
         self.cache_truth = CacheTruth(config.cache_truth, config.apc_block_size, self.indexes,
                                       self.get_json,
-                                      parse_endpoint_overrides(config.kv_events_endpoints))
+                                      parse_endpoint_overrides(config.kv_events_endpoints),
+                                      config.kv_events_max_dp_size, config.kv_events_max_pages)
         self.policies: dict[Role, Policy] = {
             role: create_policy(config.policy_for(role.value),
                                 PolicyContext(config, self.indexes[role], role))
@@ -55,11 +58,23 @@ class Router:
         self.admission = Admission(config.max_concurrent_requests, config.queue_size,
                                    config.queue_timeout_secs)
         self.metrics = ProxyMetrics(self.pool)
-        self.access_log = AccessLog(config.access_log) if config.access_log else None
+        self.access_log = AccessLog(config.access_log, config.access_log_max_bytes,
+                                    config.access_log_backups) if config.access_log else None
+        self.worker_headers = dict(JSON_HEADERS)
+        self.session_headers = ({"Authorization": f"Bearer {config.api_key}"}
+                                if config.api_key else {})
+        # router rids: a per-process prefix and a counter, all of one length (see new_rids)
+        self._rid_prefix = secrets.token_hex(6)
+        self._rid_counter = 0
+        self._tokenize_slots = asyncio.Semaphore(max(1, config.tokenize_concurrency))
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
+            max(1, config.tokenize_concurrency), thread_name_prefix="omniproxy-tokenize")
         self.tokenizer: Tokenizer = ApproxTokenizer()
         self.session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[Any]] = []
+        self._loop_ref: asyncio.AbstractEventLoop | None = None
+        self.listener: Any = None  # the guarded listening socket, once serving (server.py)
 
     # ---- set-up -----------------------------------------------------------------------------
     def roles(self) -> tuple[Role, ...]:
@@ -72,8 +87,10 @@ class Router:
         return Worker(url, role, bootstrap_port, breaker)
 
     async def start(self) -> None:
+        self._loop_ref = asyncio.get_running_loop()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                             headers=self.session_headers,
                                              skip_auto_headers=("User-Agent",))
         await self.check_health(initial=True)
         self.tokenizer = await self._find_tokenizer()
@@ -121,6 +138,7 @@ class Router:
             await self.session.close()
         if self.access_log is not None:
             self.access_log.close()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- helpers used by the request flow ---------------------------------------------------
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
@@ -129,6 +147,34 @@ class Router:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    def new_rids(self, batch: int) -> list[str]:
+        """Fresh rids for one attempt: 24 hex characters, then ``-NNNNNN`` per batch prompt.
+
+        SGLang's /abort_request aborts every rid that starts with the given one; rids of equal
+        length never start with one another, and a batch's common base is unique to it.
+        """
+        self._rid_counter += 1
+        base = f"{self._rid_prefix}{self._rid_counter & 0xFFFFFFFFFFFF:012x}"
+        return [base] if batch == 1 else [f"{base}-{i:06d}" for i in range(batch)]
+
+    async def tokenize(self, endpoint: str, body: dict[str, Any]) -> list[list[int]]:
+        """Tokenize off the loop, at most ``--tokenize-concurrency`` at once; a client that
+        leaves while its prompt waits for a slot costs nothing more."""
+        await self._tokenize_slots.acquire()
+        try:
+            job = self._tokenize_pool.submit(prompt_tokens, endpoint, body, self.tokenizer)
+        except BaseException:
+            self._tokenize_slots.release()
+            raise
+        # the slot stays taken until the thread is done, even if the awaiting client left
+        job.add_done_callback(lambda _: self._loop_release())
+        return await asyncio.wrap_future(job)
+
+    def _loop_release(self) -> None:
+        loop = self._loop_ref
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._tokenize_slots.release)
 
     def dispatch(self, route: RouteRequest, worker: Worker, tokens: int) -> None:
         worker.inflight_requests += 1
@@ -147,11 +193,15 @@ class Router:
 
     def record_failure(self, worker: Worker, kind: str) -> None:
         worker.breaker.record_failure(time.monotonic())
-        self.metrics.upstream_errors.labels(worker.url, worker.role.value, kind).inc()
+        self.metrics.upstream_error(worker.url, worker.role.value, kind)
 
     def abort(self, worker: Worker, rids: list[str], cause: str) -> None:
         """Fire-and-forget ``POST /abort_request {"rid": ...}`` (SGLang's abort by request id)."""
-        for rid in rids:
+        if not rids:
+            return
+        # a batch shares a unique base: one prefix abort reaches all its prompts
+        targets = rids if len(rids) == 1 else [rids[0].rsplit("-", 1)[0]]
+        for rid in targets:
             self.metrics.aborts.labels(worker.role.value, cause).inc()
             self.spawn(self._post_abort(worker, rid))
 
@@ -269,7 +319,9 @@ class Router:
         worker = self.make_worker(url, role, bootstrap_port)
         if self.pool.get(worker.url) is not None:
             raise ValueError(f"worker already registered: {worker.url}")
-        self.apply_health(worker, await self._probe(worker), initial=True)
+        if not await self._probe(worker):
+            raise ValueError(f"worker {worker.url} failed its health check; not added")
+        self.apply_health(worker, True, initial=True)
         if self.pool.get(worker.url) is not None:  # added concurrently meanwhile
             raise ValueError(f"worker already registered: {worker.url}")
         self.pool.add(worker)
@@ -282,6 +334,7 @@ class Router:
         if worker is None:
             raise KeyError(url)
         self.pool.remove(worker.url)
+        self.metrics.forget_worker(worker)
         self.cache_truth.detach(worker)
         self.indexes[worker.role].clear(worker.url)
         self.policies[worker.role].on_workers_changed(self.pool.role(worker.role))
@@ -323,6 +376,7 @@ class Router:
             "admission": {"active": self.admission.active, "queued": self.admission.queued,
                           "max_concurrent": self.config.max_concurrent_requests,
                           "queue_size": self.config.queue_size},
+            "connections": self.listener.describe() if self.listener is not None else None,
             "workers": [w.describe() for w in self.pool.all()],
             "policy_state": {role.value: p.describe() for role, p in self.policies.items()
                              if hasattr(p, "describe")},

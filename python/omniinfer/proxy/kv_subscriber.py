@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -31,6 +32,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from omniinfer.kv_events import (
     END_OF_REPLAY,
+    WILDCARD_HOSTS,
     ProtocolError,
     decode_batch,
     dial_endpoint,
@@ -38,6 +40,7 @@ from omniinfer.kv_events import (
     parse_kv_events_config,
     seq_bytes,
     seq_from,
+    split_tcp,
 )
 from omniinfer.proxy.cache_truth import SequenceCheck, WorkerCacheTruth
 from omniinfer.proxy.prefix import PrefixIndex
@@ -77,37 +80,73 @@ class Source:
                 "replays": self.replays, "malformed": self.malformed, "last_batch_age_s": age}
 
 
-def sources_from_server_info(info: Any, worker_host: str) -> tuple[list[Source], int | None]:
-    """The publishers a worker's ``/server_info`` advertises, and its page size; or NoEvents."""
+def _ranks(value: Any, max_ranks: int) -> int:
+    if value is None:
+        return 1
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= max_ranks:
+        raise NoEvents(f"dp_size {value!r} is not within 1..{max_ranks} "
+                       "(--kv-events-max-dp-size)")
+    return value
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _dial(endpoint: str, rank: int, worker_host: str) -> str:
+    """Rank ``rank``'s endpoint, dialled on the worker's own host; NoEvents if it names another
+    host or a port out of range (a worker's answer must not point the router elsewhere)."""
+    try:
+        host, _ = split_tcp(endpoint)
+        dialled = dial_endpoint(offset_port(endpoint, rank), worker_host)
+    except ValueError as exc:
+        raise NoEvents(f"unusable endpoint: {exc}") from None
+    bare, own = host.strip("[]"), worker_host.strip("[]")
+    if host not in WILDCARD_HOSTS and bare != own and not (_loopback(bare) and _loopback(own)):
+        raise NoEvents(f"endpoint host {host!r} is not the worker's host {worker_host!r}")
+    return dialled
+
+
+def sources_from_server_info(info: Any, worker_host: str, max_ranks: int = 64
+                             ) -> tuple[list[Source], int | None]:
+    """The publishers a worker's ``/server_info`` advertises, and its page size; or NoEvents.
+
+    Trusted no further than needed: at most ``max_ranks`` publishers, valid ports, and only on
+    the worker's own host."""
     if not isinstance(info, dict):
         raise NoEvents("no /server_info answer")
     block = info.get("kv_events")
     if isinstance(block, dict) and isinstance(block.get("endpoint_port_base"), int):
         host = str(block.get("endpoint_host") or "*")
         base = block["endpoint_port_base"]
-        ranks = block.get("dp_size") if isinstance(block.get("dp_size"), int) else 1
+        ranks = _ranks(block.get("dp_size"), max_ranks)
         replay = block.get("replay_endpoint_port_base")
         topic = str(block.get("topic") or "")
-        sources = [Source(dial_endpoint(f"tcp://{host}:{base + r}", worker_host), topic,
-                          dial_endpoint(f"tcp://{host}:{replay + r}", worker_host)
-                          if isinstance(replay, int) else None) for r in range(max(1, ranks))]
+        endpoint = f"tcp://{host}:{base}"
+        replay_endpoint = f"tcp://{host}:{replay}" if isinstance(replay, int) else None
         size = block.get("block_size")
-        return sources, size if isinstance(size, int) else None
-    raw = info.get("kv_events_config")
-    if not raw:
-        raise NoEvents("the worker publishes no KV events (start it with --kv-events-config)")
-    try:
-        config = parse_kv_events_config(raw)
-    except ValueError as exc:
-        raise NoEvents(f"its kv_events_config is unusable: {exc}") from None
-    if not config.enabled:
-        raise NoEvents("its kv_events_config publisher is 'null'")
-    ranks = info.get("dp_size") if isinstance(info.get("dp_size"), int) else 1
-    sources = [Source(dial_endpoint(offset_port(config.endpoint, r), worker_host), config.topic,
-                      dial_endpoint(offset_port(config.replay_endpoint, r), worker_host)
-                      if config.replay_endpoint else None) for r in range(max(1, ranks))]
-    size = info.get("page_size")
-    return sources, size if isinstance(size, int) else None
+    else:
+        raw = info.get("kv_events_config")
+        if not raw:
+            raise NoEvents("the worker publishes no KV events (start it with --kv-events-config)")
+        try:
+            config = parse_kv_events_config(raw)
+        except (ValueError, TypeError) as exc:
+            raise NoEvents(f"its kv_events_config is unusable: {exc}") from None
+        if not config.enabled:
+            raise NoEvents("its kv_events_config publisher is 'null'")
+        ranks = _ranks(info.get("dp_size"), max_ranks)
+        endpoint, replay_endpoint, topic = config.endpoint, config.replay_endpoint, config.topic
+        size = info.get("page_size")
+    sources = [Source(_dial(endpoint, r, worker_host), topic,
+                      _dial(replay_endpoint, r, worker_host) if replay_endpoint else None)
+               for r in range(ranks)]
+    return sources, size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 class WorkerSubscription:
@@ -188,7 +227,10 @@ class WorkerSubscription:
             seq = seq_from(frames[1])
         except ProtocolError as exc:
             source.malformed += 1
-            log.warning("kv events %s: malformed message: %s", source.endpoint, exc)
+            log.warning("kv events %s: malformed message: %s; forgetting this publisher's "
+                        "pages", source.endpoint, exc)
+            self.truth.reset(index)  # what it lost is unknown: predict nothing rather than stale
+            check.expected = None
             return
         kind = check.classify(seq)
         if kind == "restart":
@@ -217,7 +259,10 @@ class WorkerSubscription:
             batch = decode_batch(payload)
         except ProtocolError as exc:
             source.malformed += 1
-            log.warning("kv events %s: undecodable batch %d: %s", source.endpoint, seq, exc)
+            log.warning("kv events %s: undecodable batch %d: %s; forgetting this publisher's "
+                        "pages", source.endpoint, seq, exc)
+            self.truth.reset(index)  # its stores and removals are lost: nothing stale stays
+            source.last_seq = seq
             return
         self.truth.apply(index, batch)
         source.last_seq = seq
@@ -264,7 +309,8 @@ class CacheTruth:
     """Which workers' indexes follow KV events, and their subscriptions."""
 
     def __init__(self, mode: str, block_size: int, indexes: dict[Role, PrefixIndex],
-                 fetch_json: FetchJson, explicit: dict[str, list[str]] | None = None) -> None:
+                 fetch_json: FetchJson, explicit: dict[str, list[str]] | None = None,
+                 max_ranks: int = 64, max_pages: int = 1 << 22) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown cache truth {mode!r}: {' or '.join(MODES)}")
         self.mode = mode
@@ -272,6 +318,8 @@ class CacheTruth:
         self.indexes = indexes
         self.fetch_json = fetch_json
         self.explicit = explicit or {}
+        self.max_ranks = max_ranks
+        self.max_pages = max_pages
         self._subs: dict[str, WorkerSubscription] = {}
         self._fallback: dict[str, str] = {}
         self._ctx: zmq.asyncio.Context | None = None
@@ -297,10 +345,12 @@ class CacheTruth:
                 page_size = None
             else:
                 info = await self.fetch_json(worker, "/server_info", 10.0)
-                sources, page_size = sources_from_server_info(info, worker.host)
+                sources, page_size = sources_from_server_info(info, worker.host, self.max_ranks)
             if worker.url in self._subs:  # attached meanwhile
                 return
-        except NoEvents as exc:
+        except Exception as exc:  # noqa: BLE001 - a bad publisher never stops the router
+            if not isinstance(exc, NoEvents):
+                exc = NoEvents(f"unusable /server_info: {exc.__class__.__name__}: {exc}")
             if self._fallback.get(worker.url) != str(exc):
                 log.warning("cache truth: %s: %s; using the router's own index for it",
                             worker.url, exc)
@@ -311,7 +361,8 @@ class CacheTruth:
         self._fallback.pop(worker.url, None)
         index = self.indexes[worker.role]
         index.clear(worker.url)  # from now on only the worker's events fill it
-        truth = WorkerCacheTruth(worker.url, index, self.block_size, len(sources))
+        truth = WorkerCacheTruth(worker.url, index, self.block_size, len(sources),
+                                 self.max_pages)
         self._subs[worker.url] = WorkerSubscription(worker, truth, sources, page_size, self._ctx)
         log.info("cache truth: %s follows KV events from %s (worker page %s, router block %d)",
                  worker.url, ", ".join(s.endpoint for s in sources), page_size or "?",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from typing import IO, Any
@@ -20,7 +21,7 @@ from prometheus_client.registry import Collector
 
 from omniinfer.proxy.accuracy import Tally
 from omniinfer.proxy.lifecycle import PHASE_NAMES, Lifecycle
-from omniinfer.proxy.workers import WorkerPool
+from omniinfer.proxy.workers import Worker, WorkerPool
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                    5.0, 10.0, 30.0, 60.0, 120.0)
@@ -105,7 +106,18 @@ class ProxyMetrics:
             "omniproxy_cache_reported_tokens", "sum of cached tokens the workers reported",
             ["cache_truth"], registry=r)
         self.predictions: dict[str, Tally] = {}
+        self._error_series: set[tuple[str, str, str]] = set()
         r.register(WorkerCollector(pool))
+
+    def upstream_error(self, worker: str, role: str, kind: str) -> None:
+        self._error_series.add((worker, role, kind))
+        self.upstream_errors.labels(worker, role, kind).inc()
+
+    def forget_worker(self, worker: Worker) -> None:
+        """Drop a removed worker's series (else every worker ever added stays in /metrics)."""
+        for key in [k for k in self._error_series if k[0] == worker.url]:
+            self._error_series.discard(key)
+            self.upstream_errors.remove(*key)
 
     def observe(self, endpoint: str, status: int, life: Lifecycle) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -138,18 +150,41 @@ class ProxyMetrics:
 
 
 class AccessLog:
-    """One JSON line per answered request; buffered, flushed at most every second."""
+    """One JSON line per answered request; buffered, flushed at most every second, rotated
+    past ``max_bytes`` (``path.1`` .. ``path.N``, the oldest dropped)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, max_bytes: int = 256 << 20, backups: int = 3) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.backups = backups
         self._file: IO[str] = open(path, "a", buffering=1 << 16)
+        self._size = self._file.tell()
         self._flushed = time.monotonic()
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, separators=(",", ":"), default=str) + "\n")
+        line = json.dumps(record, separators=(",", ":"), default=str) + "\n"
+        self._file.write(line)
+        self._size += len(line)
         now = time.monotonic()
-        if now - self._flushed > 1.0:
+        if self._size >= self.max_bytes:
+            self._rotate()
+        elif now - self._flushed > 1.0:
             self._file.flush()
             self._flushed = now
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def _rotate(self) -> None:
+        self._file.close()
+        for i in range(self.backups, 0, -1):
+            source = self.path if i == 1 else f"{self.path}.{i - 1}"
+            if os.path.exists(source):
+                os.replace(source, f"{self.path}.{i}")
+        if self.backups == 0:
+            os.remove(self.path)
+        self._file = open(self.path, "a", buffering=1 << 16)
+        self._size = 0
 
     def close(self) -> None:
         self._file.close()

@@ -12,13 +12,16 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from omniinfer.proxy.auth import Guard, error_response, json_errors
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.core import Router
-from omniinfer.proxy.forward import error_response, handle
+from omniinfer.proxy.forward import handle
+from omniinfer.proxy.listener import Listener
 from omniinfer.proxy.workers import Role
 
 log = logging.getLogger("omniinfer.proxy")
 ROUTER_KEY = web.AppKey("router", Router)
+MAX_ADMIN_BODY = 64 * 1024
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -108,8 +111,17 @@ async def _worker_args(request: web.Request) -> dict[str, Any]:
     """Worker fields from the query string (sglang_router style) or a JSON object body."""
     args: dict[str, Any] = dict(request.query)
     if request.can_read_body:
+        if (request.content_length or 0) > MAX_ADMIN_BODY:
+            raise ValueError(f"admin bodies are at most {MAX_ADMIN_BODY} bytes")
         try:
-            body = orjson.loads(await request.read())
+            async with asyncio.timeout(_router(request).config.client_body_timeout_secs):
+                raw = await request.content.read(MAX_ADMIN_BODY + 1)
+        except TimeoutError:
+            raise ValueError("body not received in time") from None
+        if len(raw) > MAX_ADMIN_BODY:
+            raise ValueError(f"admin bodies are at most {MAX_ADMIN_BODY} bytes")
+        try:
+            body = orjson.loads(raw)
         except orjson.JSONDecodeError:
             raise ValueError("body is not valid JSON") from None
         if not isinstance(body, dict):
@@ -134,9 +146,11 @@ async def add_worker(request: web.Request) -> web.Response:
             raise ValueError("'worker_type' must be regular, prefill or decode") from None
         port = args.get("bootstrap_port")
         if isinstance(port, str):
-            port = None if port.lower() in ("", "none") else int(port)
-        if port is not None and (not isinstance(port, int) or isinstance(port, bool)):
-            raise ValueError("'bootstrap_port' must be an integer or none")
+            port = None if port.lower() in ("", "none") else int(port) if port.isdigit() \
+                else -1
+        if port is not None and (not isinstance(port, int) or isinstance(port, bool)
+                                 or not 0 < port < 65536):
+            raise ValueError("'bootstrap_port' must be a port number (1-65535) or none")
         worker = await router.add_worker(url, role, port)
     except ValueError as exc:
         return error_response(400, str(exc))
@@ -162,7 +176,10 @@ async def list_workers(request: web.Request) -> web.Response:
 
 
 def build_app(router: Router) -> web.Application:
-    app = web.Application(client_max_size=router.config.max_payload_size)
+    c = router.config
+    guard = Guard(c.api_key, c.control_plane_api_keys, c.control_plane_audit_enabled)
+    app = web.Application(client_max_size=c.max_payload_size,
+                          middlewares=[json_errors, guard.middleware])
     app[ROUTER_KEY] = router
     app.router.add_post("/generate", _inference("generate"))
     app.router.add_post("/v1/completions", _inference("completions"))
@@ -177,7 +194,7 @@ def build_app(router: Router) -> web.Application:
     app.router.add_get("/liveness", liveness)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/metrics", metrics)
-    app.router.add_route("*", "/flush_cache", flush_cache)
+    app.router.add_post("/flush_cache", flush_cache)
     app.router.add_post("/add_worker", add_worker)
     app.router.add_post("/remove_worker", remove_worker)
     app.router.add_get("/list_workers", list_workers)
@@ -187,12 +204,16 @@ def build_app(router: Router) -> web.Application:
 async def _serve(config: RouterConfig) -> None:
     router = Router(config)
     await router.start()
-    runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None,
+                           keepalive_timeout=config.client_header_timeout_secs * 2)
     await runner.setup()
-    await web.TCPSite(runner, config.host, config.port, backlog=4096).start()
+    assert runner.server is not None
+    listener = Listener(runner.server, config.max_connections, config.client_header_timeout_secs)
+    router.listener = listener
+    await listener.start(config.host, config.port)
     extra = None
     if config.prometheus_port:
-        metrics_app = web.Application()
+        metrics_app = web.Application(middlewares=[json_errors])
         metrics_app[ROUTER_KEY] = router
         metrics_app.router.add_get("/metrics", metrics)
         extra = web.AppRunner(metrics_app, access_log=None)
@@ -210,6 +231,7 @@ async def _serve(config: RouterConfig) -> None:
              {r.value: p.name for r, p in router.policies.items()}, workers)
     await stop.wait()
     log.info("shutting down")
+    await listener.close()
     await runner.cleanup()
     if extra is not None:
         await extra.cleanup()

@@ -102,11 +102,29 @@ class Worker:
 
 
 def normalize_url(url: str) -> str:
+    """``scheme://host[:port]`` of a worker, or ValueError.
+
+    Only http/https with a host and a valid port; no path, query, fragment or userinfo: the
+    router appends SGLang's paths itself, and relays some answers, so a URL that names anything
+    else would let whoever registers it read or write elsewhere.
+    """
+    if not isinstance(url, str):
+        raise ValueError("a worker URL must be a string")
     url = url.strip().rstrip("/")
     if "://" not in url:
         url = "http://" + url
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"not a worker URL: {url!r} ({exc})") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not a worker URL: {url!r} (http or https, with a host)")
+    if parts.path or parts.query or parts.fragment or "?" in url or "#" in url:
+        raise ValueError(f"not a worker URL: {url!r} (no path, query or fragment)")
+    if parts.username is not None or parts.password is not None or "@" in parts.netloc:
+        raise ValueError(f"not a worker URL: {url!r} (no user information)")
+    if port == 0 or any(c.isspace() or ord(c) < 32 for c in url):
         raise ValueError(f"not a worker URL: {url!r}")
     return url
 

@@ -115,6 +115,8 @@ class DeferringPolicy(Policy):
             return await future
         except asyncio.CancelledError:
             self.queue.remove(item.key)
+            if future.done() and not future.cancelled():  # booked as the client left
+                self.on_cancelled(request, future.result().worker)
             raise
 
     def _waiting(self, request: RouteRequest, workers: list[Worker],
@@ -202,8 +204,8 @@ class DeferringPolicy(Policy):
             raise
 
     def decode_cap(self, worker: Worker) -> int:
-        cap = getattr(self.context.config, "oas_decode_max_running", 0) or 0
-        return int(cap or worker.loads.max_running_reqs or 0)
+        return int(self.context.config.oas_decode_max_running
+                   or worker.loads.max_running_reqs or 0)
 
     @staticmethod
     def decode_load(worker: Worker) -> int:

@@ -49,8 +49,6 @@ from omniinfer.proxy.oas_cost import InstanceClock, TransferModel, predicted_ttf
 from omniinfer.proxy.policies._deferred import DeferringPolicy
 from omniinfer.proxy.workers import Role, Worker
 
-DEFAULT_BATCH_TOKENS = 8192.0  # SGLang's chunked-prefill budget on 80 GB GPUs, until measured
-
 
 @register_policy("oas")
 class OASPolicy(DeferringPolicy):
@@ -68,14 +66,14 @@ class OASPolicy(DeferringPolicy):
     def make_queue(self) -> DeferredQueue:
         config = self.context.config
         options = DeferralOptions(
-            lead_fraction=float(getattr(config, "oas_lead_fraction", 1.0)),
+            lead_fraction=config.oas_lead_fraction,
             bound_cycles=(self.bound_cycles if self.bound_cycles is not None
-                          else float(getattr(config, "oas_hold_bound_cycles", 8.0))),
+                          else config.oas_hold_bound_cycles),
             overdue_gate_cycles=self.overdue_gate_cycles)
         gate = None if self.defer else (lambda inst, now: True)
         starved = self._starved if self.work_conserving else None
         order = get_order(self.order_name)
-        slo = getattr(config, "oas_ttft_slo_secs", None) if self.slo_aware else None
+        slo = config.oas_ttft_slo_secs if self.slo_aware else None
         if slo and self.slo_rule == "sacrifice":
             order = slo_sacrifice(float(slo), self._capacity)
         elif slo:
@@ -98,8 +96,7 @@ class OASPolicy(DeferringPolicy):
         """
         assert isinstance(inst, InstanceClock)
         config = self.context.config
-        batch = max(inst.batch_tokens or 0.0,
-                    float(getattr(config, "oas_batch_tokens", DEFAULT_BATCH_TOKENS)))
+        batch = max(inst.batch_tokens or 0.0, config.oas_batch_tokens)
         depth = self.queue_batches * batch
         return inst.starved() or inst.backlog_tokens() < depth
 

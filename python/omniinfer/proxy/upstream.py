@@ -1,0 +1,223 @@
+"""Upstream I/O of one request: POST to a worker, read its answer, pipe a stream to the client.
+
+Timeouts, so that no worker can hold a slot forever: connect (``--upstream-connect-timeout-
+secs``), the first event of a stream (``--upstream-first-byte-timeout-secs``), each later read of
+a stream (``--upstream-idle-timeout-secs``), and sglang_router's ``--request-timeout-secs`` as the
+total of one attempt (a non-streamed answer comes whole, so only the total bounds it). Failures
+before any byte reached the client raise ``UpstreamFailure`` (the caller may retry elsewhere); a
+worker's own 4xx raises ``Passthrough`` and goes to the client as is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from omniinfer.proxy.base import RouteRequest
+from omniinfer.proxy.lifecycle import Lifecycle
+from omniinfer.proxy.workers import Worker
+
+if TYPE_CHECKING:
+    from omniinfer.proxy.core import Router
+
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+UPSTREAM_PATHS = {"generate": "/generate", "completions": "/v1/completions",
+                  "chat": "/v1/chat/completions"}
+
+
+class UpstreamFailure(Exception):
+    """An attempt failed before any byte reached the client (so it may be retried)."""
+
+    def __init__(self, worker: Worker, kind: str, message: str, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.kind = kind
+        self.retryable = retryable
+
+
+class Passthrough(Exception):
+    """A worker refused the request itself (4xx): its answer goes to the client as is."""
+
+    def __init__(self, response: web.Response) -> None:
+        self.response = response
+
+
+@dataclasses.dataclass
+class Exchange:
+    """One client request as the router forwards it; ``rids`` are the router's, per attempt."""
+
+    endpoint: str
+    body: dict[str, Any]
+    stream: bool
+    batch: int
+    life: Lifecycle
+    route: RouteRequest
+    record: dict[str, Any]
+    headers: dict[str, str]  # added to the client's answer (the rids)
+    rids: list[str] = dataclasses.field(default_factory=list)
+    client_sent: bool = False
+    output_events: int = 0
+    tail: bytes = b""
+
+    def payload(self, rids: list[str], extra: dict[str, Any] | None = None) -> bytes:
+        """The body for the workers with the router's rid(s) (never the client's)."""
+        self.rids = rids
+        self.record.setdefault("worker_rids", []).append(rids[0] if self.batch == 1 else rids)
+        body = dict(self.body)
+        body["rid"] = rids[0] if self.batch == 1 else rids
+        if extra:
+            body.update(extra)
+        return orjson.dumps(body)
+
+
+def _timeout(router: Router, stream: bool) -> aiohttp.ClientTimeout:
+    c = router.config
+    # streams: the socket may stay silent until the first event, then per read (see pipe)
+    read = max(c.upstream_first_byte_timeout_secs, c.upstream_idle_timeout_secs) if stream \
+        else None
+    return aiohttp.ClientTimeout(total=c.request_timeout_secs,
+                                 sock_connect=c.upstream_connect_timeout_secs, sock_read=read)
+
+
+def _failure(worker: Worker, kind: str, exc: BaseException) -> UpstreamFailure:
+    if isinstance(exc, asyncio.TimeoutError):
+        kind = "timeout"
+    return UpstreamFailure(worker, kind, f"{exc.__class__.__name__}: {exc}")
+
+
+async def post(router: Router, worker: Worker, path: str, payload: bytes,
+               stream: bool) -> aiohttp.ClientResponse:
+    """POST and return the response once headers are in; 5xx and transport errors raise."""
+    assert router.session is not None
+    try:
+        resp = await router.session.post(worker.url + path, data=payload,
+                                         headers=router.worker_headers,
+                                         timeout=_timeout(router, stream))
+    except UPSTREAM_ERRORS as exc:
+        raise _failure(worker, "connect", exc) from None
+    if resp.status >= 500:
+        try:
+            text = (await resp.read())[:300].decode(errors="replace")
+        except UPSTREAM_ERRORS:
+            text = ""
+        finally:
+            resp.release()
+        raise UpstreamFailure(worker, "status", f"HTTP {resp.status} {text}")
+    if resp.status != 200:
+        try:
+            data = await resp.read()
+        except UPSTREAM_ERRORS as exc:
+            raise _failure(worker, "read", exc) from None
+        finally:
+            resp.release()
+        worker.breaker.record_success()
+        if resp.status in (401, 403):  # the router's key, not the client's fault
+            raise UpstreamFailure(worker, "auth", f"HTTP {resp.status}: check --api-key")
+        raise Passthrough(web.Response(status=resp.status, body=data,
+                                       content_type=resp.content_type or "application/json"))
+    return resp
+
+
+async def first_chunk(router: Router, resp: aiohttp.ClientResponse, worker: Worker) -> bytes:
+    """A stream's first event, within ``--upstream-first-byte-timeout-secs``."""
+    try:
+        async with asyncio.timeout(router.config.upstream_first_byte_timeout_secs):
+            chunk = await resp.content.readany()
+    except UPSTREAM_ERRORS as exc:
+        resp.close()
+        raise _failure(worker, "read", exc) from None
+    if not chunk:
+        resp.close()
+        raise UpstreamFailure(worker, "read", "stream ended before any data")
+    return chunk
+
+
+async def read_all(resp: aiohttp.ClientResponse, worker: Worker) -> bytes:
+    try:
+        return await resp.read()
+    except UPSTREAM_ERRORS as exc:
+        raise _failure(worker, "read", exc) from None
+    finally:
+        resp.release()
+
+
+def count_output(ex: Exchange, data: bytes) -> None:
+    """Output tokens from the final meta_info/usage; else the number of stream events."""
+    count = 0
+    try:
+        if ex.stream:
+            for line in reversed(data.split(b"\n")):
+                line = line.strip()
+                if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                    count = completion_tokens(orjson.loads(line[5:].strip()))
+                    break
+        else:
+            count = completion_tokens(orjson.loads(data))
+    except (orjson.JSONDecodeError, ValueError):
+        count = 0
+    ex.life.output_tokens = count or max(0, ex.output_events - 1 if ex.stream else 0)
+    ex.record["output_tokens"] = ex.life.output_tokens
+
+
+def completion_tokens(obj: Any) -> int:
+    if isinstance(obj, list):
+        return sum(completion_tokens(o) for o in obj)
+    if not isinstance(obj, dict):
+        return 0
+    for key in ("meta_info", "usage"):
+        inner = obj.get(key)
+        if isinstance(inner, dict) and isinstance(inner.get("completion_tokens"), int):
+            return int(inner["completion_tokens"])
+    return 0
+
+
+async def pipe(router: Router, request: web.Request, ex: Exchange, resp: aiohttp.ClientResponse,
+               first: bytes, worker: Worker,
+               on_upstream_error: Callable[[], Any] | None = None) -> web.StreamResponse:
+    """Send the upstream stream to the client; a mid-stream failure ends it with one error."""
+    out = web.StreamResponse(status=200, headers={
+        "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+        "Cache-Control": "no-cache", **ex.headers})
+    idle = router.config.upstream_idle_timeout_secs
+    try:
+        await out.prepare(request)
+        ex.client_sent = True
+        ex.life.token()
+        ex.output_events = first.count(b"data:")
+        tail = first
+        await out.write(first)
+        while True:
+            try:
+                async with asyncio.timeout(idle):
+                    chunk = await resp.content.readany()
+            except UPSTREAM_ERRORS as exc:
+                kind = "idle_timeout" if isinstance(exc, asyncio.TimeoutError) else "mid_stream"
+                router.record_failure(worker, kind)
+                ex.record["error"] = f"{worker.url} failed mid-stream: {exc.__class__.__name__}"
+                router.abort(worker, ex.rids, kind)
+                if on_upstream_error is not None:
+                    on_upstream_error()
+                message = {"error": {"message": f"upstream worker failed mid-stream "
+                                                f"({exc.__class__.__name__}); the output is "
+                                                f"incomplete", "type": "upstream_error",
+                                     "code": 502}}
+                await out.write(b"data: " + orjson.dumps(message) + b"\n\ndata: [DONE]\n\n")
+                break
+            if not chunk:
+                worker.breaker.record_success()
+                break
+            ex.output_events += chunk.count(b"data:")
+            tail = tail[-2048:] + chunk if len(chunk) < 4096 else chunk[-4096:]
+            await out.write(chunk)
+        await out.write_eof()
+    finally:
+        resp.close()
+    ex.tail = tail
+    count_output(ex, tail)
+    return out
