@@ -76,4 +76,63 @@ def test_the_pool_split_is_balanced_for_the_given_budget(
     else:
         assert namespace.swa_full_tokens_ratio == rw.balanced_swa_ratio(
             budget, layers, 1, 4, 8, prefill_chunk=512)
-    assert namespace.disable_radix_cache is True
+    assert namespace.radix_cache_backend == "omni_attn"  # prefix reuse is on by default
+
+
+def _plain_namespace(model: Path, **extra: object) -> object:
+    import argparse
+
+    return argparse.Namespace(
+        model_path=str(model), attention_backend="torch_native", page_size=None,
+        max_total_tokens=None, chunked_prefill_size=512, max_running_requests=None,
+        swa_full_tokens_ratio=None, json_model_override_args=None, **extra,
+    )
+
+
+def test_disable_radix_cache_keeps_prefix_reuse_off(tiny_models: dict[str, Path],
+                                                   tmp_path: Path) -> None:
+    from omniinfer.flags import OmniConfig
+    from omniinfer.sglang_plugin import omni_attn_radix
+    from omniinfer.sglang_plugin.omni_attn import RADIX_BACKEND, prepare_namespace
+
+    assert RADIX_BACKEND == omni_attn_radix.BACKEND_NAME
+    model = tiny_models["llama"]
+    config = OmniConfig(omni_attn_pattern=str(_pattern(model, tmp_path / "p.json", [0])))
+    namespace = _plain_namespace(model, disable_radix_cache=True, radix_cache_backend=None)
+    prepare_namespace(namespace, config)
+    assert namespace.disable_radix_cache is True and namespace.radix_cache_backend is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"disaggregation_mode": "decode"}, "PD disaggregation is not supported"),
+        ({"disaggregation_mode": "prefill"}, "PD disaggregation is not supported"),
+        ({"radix_cache_backend": "flexkv"}, "does not keep the sink"),
+        ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache replaces"),
+    ],
+)
+def test_what_the_sink_aware_cache_cannot_serve_is_refused_in_one_line(
+    tiny_models: dict[str, Path], tmp_path: Path, extra: dict[str, object], message: str
+) -> None:
+    from omniinfer.flags import OmniConfig, OmniFlagError
+    from omniinfer.sglang_plugin.omni_attn import prepare_namespace
+
+    model = tiny_models["llama"]
+    config = OmniConfig(omni_attn_pattern=str(_pattern(model, tmp_path / "p.json", [0])))
+    with pytest.raises(OmniFlagError, match=message) as info:
+        prepare_namespace(_plain_namespace(model, **extra), config)
+    assert "\n" not in str(info.value)
+
+
+def test_pd_with_a_pattern_stops_the_launch_in_one_line(
+    tiny_models: dict[str, Path], cpu_engine_env: dict[str, str], tmp_path: Path,
+) -> None:
+    model = tiny_models["llama"]
+    pattern = _pattern(model, tmp_path / "p.json", [0])
+    result = launch(["--model-path", str(model), "--device", "cpu", "--attention-backend",
+                     "torch_native", "--disaggregation-mode", "decode",
+                     "--omni-attn-pattern", str(pattern)], cpu_engine_env)
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("omniinfer: error: --omni-attn-pattern: PD disaggregation")

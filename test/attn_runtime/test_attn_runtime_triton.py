@@ -45,7 +45,7 @@ def test_omni_triton_is_accepted_at_any_page_size(
     prepare_namespace(namespace, config)
     overrides = json.loads(namespace.json_model_override_args)
     assert overrides["is_hybrid_swa"] is True and overrides["sliding_window"] == 7
-    assert namespace.disable_radix_cache is True
+    assert namespace.radix_cache_backend == "omni_attn"  # prefix reuse with omni_triton too
 
 
 def test_torch_native_still_needs_page_size_one(tiny_models: dict[str, Path],

@@ -4,9 +4,10 @@ Launcher side (:func:`prepare_namespace`): the pattern is checked against the mo
 compressed layers are declared to SGLang as hybrid sliding-window layers through
 ``--json-model-override-args`` (``is_hybrid_swa``, ``hybrid_layer_pattern``, ``sliding_window``
 = recent - 1). SGLang then builds its two-pool KV cache: full layers in one sub-pool, compressed
-layers in the SWA sub-pool, with its own allocator and window eviction. The radix cache is
-disabled (see docs/omni_attn.md: a reused prefix would need sink slots that SWA tree eviction
-may already have dropped).
+layers in the SWA sub-pool, with its own allocator and window eviction. Prefix reuse stays on,
+through ``--radix-cache-backend omni_attn`` (:mod:`omni_attn_radix`: SGLang's unified radix
+cache whose SWA component keeps every cached prefix's sink), unless the user passed
+``--disable-radix-cache``. PD disaggregation is refused (docs/omni_attn.md).
 
 Scheduler side (:func:`register`), all through HookRegistry:
 
@@ -20,6 +21,7 @@ Scheduler side (:func:`register`), all through HookRegistry:
 - attention: :mod:`omni_attn_backend` serves compressed layers on ``torch_native`` (CPU), and
   :mod:`omni_attn_triton` is the ``omni_triton`` backend (SGLang's Triton backend for full
   layers, the sgl-kernel-npu sink + recent kernels for compressed ones; any page size);
+- prefix reuse: :mod:`omni_attn_radix` is registered as the radix-cache backend ``omni_attn``;
 - status: :mod:`omni_attn_status` writes ``attn.json`` for ``GET /omni/attn``.
 """
 
@@ -57,6 +59,14 @@ SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
 EVICTION_INTERVAL_ENV = "SGLANG_SWA_EVICTION_INTERVAL"
 SCHEDULER_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+RADIX_BACKEND = "omni_attn"  # omni_attn_radix.BACKEND_NAME, without importing SGLang here
+# Options that swap the tree cache or its core for one without the sink rules.
+RADIX_CONFLICTS = (
+    ("enable_hierarchical_cache", "--enable-hierarchical-cache"),
+    ("enable_lmcache", "--enable-lmcache"),
+    ("enable_session_radix_cache", "--enable-session-radix-cache"),
+    ("enable_streaming_session", "--enable-streaming-session"),
+)
 
 
 # ---------------------------------------------------------------- launcher side
@@ -116,6 +126,12 @@ def prepare_namespace(namespace: argparse.Namespace, config: OmniConfig) -> Patt
         raise OmniFlagError("--omni-attn-pattern: cannot be combined with --disable-hybrid-swa-memory")
     if getattr(namespace, "speculative_algorithm", None):
         raise OmniFlagError("--omni-attn-pattern: speculative decoding is not supported")
+    if getattr(namespace, "disaggregation_mode", None) not in (None, "null"):
+        raise OmniFlagError(
+            "--omni-attn-pattern: PD disaggregation is not supported (the KV transfer does not "
+            "carry the compressed layers' sink + recent slots); serve the pattern without "
+            "--disaggregation-mode"
+        )
     raw = getattr(namespace, "json_model_override_args", None) or "{}"
     try:
         overrides = json.loads(raw)
@@ -125,8 +141,7 @@ def prepare_namespace(namespace: argparse.Namespace, config: OmniConfig) -> Patt
         runtime_window.model_overrides(pattern.num_layers, pattern.compressed_layers, pattern.recent)
     )
     namespace.json_model_override_args = json.dumps(overrides)
-    # Prefix reuse is refused: see docs/omni_attn.md (radix cache).
-    namespace.disable_radix_cache = True
+    _choose_radix_cache(namespace)
     if (
         getattr(namespace, "swa_full_tokens_ratio", None) is None
         and getattr(namespace, "max_running_requests", None) is None
@@ -147,6 +162,25 @@ def prepare_namespace(namespace: argparse.Namespace, config: OmniConfig) -> Patt
         list(pattern.compressed_layers), pattern.sink, pattern.recent,
     )
     return pattern
+
+
+def _choose_radix_cache(namespace: argparse.Namespace) -> None:
+    """Prefix reuse through the sink-aware tree unless the user turned the radix cache off."""
+    if getattr(namespace, "disable_radix_cache", False):
+        return
+    chosen = getattr(namespace, "radix_cache_backend", None)
+    if chosen not in (None, RADIX_BACKEND):
+        raise OmniFlagError(
+            f"--omni-attn-pattern: --radix-cache-backend {chosen} does not keep the sink; "
+            f"use {RADIX_BACKEND} (the default) or --disable-radix-cache"
+        )
+    for attr, flag in RADIX_CONFLICTS:
+        if getattr(namespace, attr, False):
+            raise OmniFlagError(
+                f"--omni-attn-pattern: {flag} replaces the sink-aware radix cache; "
+                "drop it or add --disable-radix-cache"
+            )
+    namespace.radix_cache_backend = RADIX_BACKEND
 
 
 # ---------------------------------------------------------------- scheduler side
@@ -263,7 +297,7 @@ def register(config: OmniConfig) -> None:
     """Worker-side hooks; the launcher already validated the pattern against the model."""
     from sglang.srt.plugins.hook_registry import HookType
 
-    from omniinfer.sglang_plugin import hooks, omni_attn_triton
+    from omniinfer.sglang_plugin import hooks, omni_attn_radix, omni_attn_triton
     from omniinfer.sglang_plugin.omni_attn_backend import CompressedAttention, around_forward
 
     assert config.omni_attn_pattern is not None
@@ -271,6 +305,8 @@ def register(config: OmniConfig) -> None:
     _State.pattern = pattern
     _State.attention = CompressedAttention(pattern.compressed_layers, pattern.sink, pattern.recent)
     omni_attn_triton.set_pattern(pattern.compressed_layers, pattern.sink, pattern.recent)
+    omni_attn_radix.configure(pattern.sink)
+    omni_attn_radix.register_backend()  # selected by the launcher's --radix-cache-backend
     wanted: list[tuple[str, Callable[..., Any], HookType]] = [
         (f"{TORCH_NATIVE}.forward_extend", around_forward(_State.attention, False), HookType.AROUND),
         (f"{TORCH_NATIVE}.forward_decode", around_forward(_State.attention, True), HookType.AROUND),

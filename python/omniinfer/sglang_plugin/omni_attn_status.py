@@ -28,13 +28,14 @@ class AttnStatus:
     """Counters and pool facts of one scheduler; ``write`` publishes them as JSON."""
 
     def __init__(self, pattern: Pattern, allocator: Any, kvcache: Any, attention: Any,
-                 max_total_tokens: int | None, writer: bool) -> None:
+                 max_total_tokens: int | None, writer: bool, tree_cache: Any = None) -> None:
         self.pattern = pattern
         self.allocator = allocator
         self.kvcache = kvcache
         self.attention = attention
         self.max_total_tokens = max_total_tokens
         self.writer = writer
+        self.tree_cache = tree_cache
         self.tokens_freed = 0  # compressed-layer slots returned before their request ended
         self.freed_events = 0
         self._last_write = 0.0
@@ -45,7 +46,8 @@ class AttnStatus:
         allocator = scheduler.token_to_kv_pool_allocator
         server_args = getattr(scheduler, "server_args", None)
         return cls(pattern, allocator, allocator.get_kvcache(), attention,
-                   getattr(server_args, "max_total_tokens", None), writer)
+                   getattr(server_args, "max_total_tokens", None), writer,
+                   getattr(scheduler, "tree_cache", None))
 
     def on_freed(self, slots: int) -> None:
         self.tokens_freed += slots
@@ -93,8 +95,17 @@ class AttnStatus:
             "free_events": self.freed_events,
             "compressed_keys_read": getattr(attention, "keys_read", 0),
             "compressed_keys_full_attention": getattr(attention, "keys_full", 0),
+            "radix": self._radix(),
             "updated": time.time(),
         }
+
+    def _radix(self) -> dict[str, Any] | None:
+        """The prefix cache: which classes run, its ledger and what the sink rules did."""
+        if self.tree_cache is None:
+            return None
+        from omniinfer.sglang_plugin import omni_attn_radix
+
+        return omni_attn_radix.describe(self.tree_cache)
 
     def write(self) -> None:
         if not self.writer:
