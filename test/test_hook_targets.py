@@ -1,0 +1,58 @@
+"""Every HookRegistry target the plugin can register resolves in the installed SGLang.
+
+HookRegistry only logs a target that does not resolve; this test runs every registration path of
+the plugin (flags, scheduler, CPU fixes with PD, OmniPlacement, OmniAttn) with a recorder in place
+of HookRegistry and resolves each target, so an SGLang upgrade that renames one fails here.
+"""
+
+from __future__ import annotations
+
+import pkgutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omniinfer.flags import OmniConfig
+
+
+@pytest.fixture()
+def recorded(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    from omniinfer.cpu.server_defaults import PD_MOONCAKE_ENV
+    from omniinfer.sglang_plugin import hooks
+
+    targets: dict[str, str] = {}
+
+    class Recorder:
+        @staticmethod
+        def register(target: str, hook: Any, kind: Any) -> None:
+            assert callable(hook)
+            targets[target] = kind.value
+
+    monkeypatch.setattr(hooks, "HookRegistry", Recorder)
+    monkeypatch.setattr(hooks, "_REGISTERED", {})
+    monkeypatch.setenv(PD_MOONCAKE_ENV, "1")
+    return targets
+
+
+def test_every_plugin_hook_target_resolves(recorded: dict[str, str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import omniinfer.attn
+    from omniinfer.sglang_plugin import cpu_fixes, omni_attn, placement_hooks, server_args, worker
+
+    pattern = str(Path(omniinfer.attn.__file__).parent / "patterns" / "smollm2-135m.json")
+    server_args.register()
+    worker.register()
+    monkeypatch.setattr(cpu_fixes, "patch_torch", lambda: [])  # no torch fill-ins here
+    cpu_fixes.register()
+    placement_hooks.register(OmniConfig(enable_omni_placement=True))
+    omni_attn.register(OmniConfig(omni_attn_pattern=pattern))
+    assert len(recorded) >= 15, recorded
+    assert any("MooncakeKVSender" in t for t in recorded)  # the PD path was registered
+    unresolved = []
+    for target in recorded:
+        try:
+            pkgutil.resolve_name(target)
+        except (ImportError, AttributeError, ValueError) as exc:
+            unresolved.append(f"{target}: {exc}")
+    assert not unresolved, "\n".join(unresolved)
