@@ -34,8 +34,7 @@ class Guarded(asyncio.Protocol):
         self._refused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
         if self.listener.open >= self.listener.max_connections:
             self._refused = True
             self.listener.refused += 1
