@@ -104,3 +104,17 @@ def test_balanced_ratio_admits_as_many_as_the_best_ratio(compressed: int, budget
     # the full pool holds whole requests with no spare request's worth left over
     split = rw.ratio_split(budget, 30, compressed, ratio)
     assert split.full_tokens // 2048 == best
+
+
+def test_shared_prefix_ratio_fills_both_pools_together() -> None:
+    from omniinfer.attn.runtime_window import shared_prefix_swa_ratio
+
+    # 4 prefixes of 1,500 tokens, 24 requests of 126 own tokens, sink 128 + recent 384.
+    ratio = shared_prefix_swa_ratio(4, 1500, 24, 126, 128, 384)
+    assert ratio == round((4 * 511 + 24 * 126) / (4 * 1500 + 24 * 126), 4)
+    # Long outputs: each request's compressed share stops at sink + recent + interval.
+    long = shared_prefix_swa_ratio(4, 1500, 24, 2000, 128, 384)
+    assert long == round((4 * 511 + 24 * 528) / (4 * 1500 + 24 * 2000), 4)
+    assert shared_prefix_swa_ratio(1, 10, 1, 10, 128, 384) == 1.0
+    with pytest.raises(ValueError):
+        shared_prefix_swa_ratio(0, 1500, 24, 126, 128, 384)

@@ -227,3 +227,27 @@ def balanced_swa_ratio(
         if admissible(split, context, sink, recent, interval, chunk) >= n:
             return ratio
     return default_swa_ratio(sink, recent, interval, context)
+
+
+def shared_prefix_swa_ratio(
+    prefixes: int,
+    prefix_len: int,
+    requests: int,
+    own_tokens: int,
+    sink: int,
+    recent: int,
+    interval: int = EVICTION_INTERVAL,
+) -> float:
+    """Compressed/full ratio for shared-prefix traffic served with the radix cache.
+
+    The tree keeps each of ``prefixes`` shared prefixes once: ``prefix_len`` full slots, but
+    only its sink and window (``sink + recent - 1``) compressed ones; each of ``requests``
+    running requests adds ``own_tokens`` full slots (question plus output) and at most
+    ``sink + recent + interval`` compressed ones. The ratio makes both pools fill together.
+    """
+    if min(prefixes, prefix_len, requests, own_tokens) <= 0:
+        raise ValueError("need positive prefixes, prefix_len, requests and own_tokens")
+    full = prefixes * prefix_len + requests * own_tokens
+    swa = prefixes * min(prefix_len, sink + sglang_window(recent)) + requests * min(
+        own_tokens, sink + recent + interval)
+    return round(min(1.0, swa / full), 4)

@@ -1,0 +1,209 @@
+"""OmniAttn with the radix cache on shared-prefix traffic: three servers, one after another.
+
+A few long system prompts (``--prefixes`` of ``--prefix-len`` tokens), many short questions
+after them (``--requests``, ``--question-len`` tokens each), ``--new-tokens`` greedy outputs,
+all sent at once to a real SGLang CPU server at one ``--max-total-tokens``. Three servers:
+
+1. ``plain-radix``: no pattern, radix cache (SGLang's default);
+2. ``pattern-no-radix``: ``--omni-attn-pattern`` with ``--disable-radix-cache`` (before it);
+3. ``pattern-radix``: ``--omni-attn-pattern`` with the sink-aware radix cache (the default).
+
+Both patterned servers get the compressed/full ratio for this traffic
+(``runtime_window.shared_prefix_swa_ratio``). Reports output tokens/s, cache hit rate
+(reported ``cached_tokens`` over prompt tokens) and peak running requests (``/v1/loads``),
+with the load average before and after each run. Writes JSON and a PNG under results/.
+
+Run: .venv/bin/python benchmark/attn_runtime/prefix.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from omniinfer.attn import evaluator, runtime_window, text
+from omniinfer.attn.pattern import load
+from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
+
+HERE = Path(__file__).resolve().parent
+SEARCHED = HERE.parents[1] / "python" / "omniinfer" / "attn" / "patterns" / "smollm2-135m.json"
+QUIET_FLAG = Path("/tmp/omni-quiet-attn")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", type=Path, default=evaluator.DEFAULT_MODEL)
+    p.add_argument("--pattern", type=Path, default=SEARCHED)
+    p.add_argument("--prefixes", type=int, default=4)
+    p.add_argument("--prefix-len", type=int, default=1500)
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--question-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--max-total-tokens", type=int, default=8192)
+    p.add_argument("--chunked-prefill-size", type=int, default=512)
+    p.add_argument("--servers", default="plain-radix,pattern-no-radix,pattern-radix")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "prefix.json")
+    return p.parse_args(argv)
+
+
+def workload(args: argparse.Namespace) -> list[list[int]]:
+    """Request i: system prompt i % prefixes, then its own question (distinct text)."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(args.model).encode(text.read("paradise_lost"))
+    prompts = [ids[k * args.prefix_len : (k + 1) * args.prefix_len] for k in range(args.prefixes)]
+    base = args.prefixes * args.prefix_len
+    questions = [ids[base + q * args.question_len : base + (q + 1) * args.question_len]
+                 for q in range(args.requests)]
+    assert all(len(q) == args.question_len for q in questions), "text too short"
+    return [prompts[i % args.prefixes] + questions[i] for i in range(args.requests)]
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 3600.0) -> Any:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+def _running(base_url: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{base_url}/v1/loads", timeout=10) as reply:
+            loads = json.loads(reply.read())
+    except OSError:
+        return 0
+    rows = loads.get("loads", [loads]) if isinstance(loads, dict) else loads
+    return sum(int(r.get("num_running_reqs", 0)) for r in rows if isinstance(r, dict))
+
+
+def burst(base_url: str, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """Send every prompt at once, sample the running count; totals over all replies."""
+    replies: list[Any] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        replies[i] = _post(f"{base_url}/generate", {
+            "input_ids": prompts[i],
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0,
+                                "ignore_eos": True},
+        })
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    began = time.perf_counter()
+    for t in threads:
+        t.start()
+    peak = 0
+    while any(t.is_alive() for t in threads):
+        peak = max(peak, _running(base_url))
+        time.sleep(0.5)
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - began
+    assert all(r is not None for r in replies), "a request failed"
+    meta = [r["meta_info"] for r in replies]
+    output = sum(m["completion_tokens"] for m in meta)
+    prompt = sum(m["prompt_tokens"] for m in meta)
+    cached = sum(m.get("cached_tokens", 0) for m in meta)
+    return {"peak_running": peak, "seconds": seconds, "output_tokens": output,
+            "output_tokens_per_s": output / seconds, "prompt_tokens": prompt,
+            "cached_tokens": cached, "cache_hit_rate": cached / max(1, prompt)}
+
+
+def _loadavg() -> float:
+    return os.getloadavg()[0]
+
+
+def run_server(args: argparse.Namespace, name: str, prompts: list[list[int]],
+               extra: list[str], work: Path) -> dict[str, Any]:
+    port = free_port()
+    extra = ["--chunked-prefill-size", str(args.chunked_prefill_size), *extra]
+    command = cpu_server_command(args.model, port, args.max_total_tokens, extra_args=extra)
+    record: dict[str, Any] = {"args": extra, "load_before": _loadavg()}
+    with SGLangServer(command, cpu_env(), work / f"{name}.log", port,
+                      ready_timeout_s=900) as server:
+        record.update(burst(server.base_url, prompts, args.new_tokens))
+        if "--omni-attn-pattern" in extra:
+            with urllib.request.urlopen(f"{server.base_url}/omni/attn", timeout=10) as reply:
+                status = json.loads(reply.read())
+            record["pools"] = status["pools"]
+            record["radix"] = status.get("radix")
+    record["load_after"] = _loadavg()
+    print(f"{name}: {record['output_tokens_per_s']:.2f} output tok/s, hit rate "
+          f"{record['cache_hit_rate']:.2%}, peak running {record['peak_running']}, "
+          f"{record['seconds']:.0f} s", flush=True)
+    return record
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary["servers"])
+    metrics = [("output_tokens_per_s", "output tokens/s"), ("cache_hit_rate", "cache hit rate"),
+               ("peak_running", "peak running requests")]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    for ax, (key, label) in zip(axes, metrics, strict=True):
+        values = [summary["servers"][n][key] for n in names]
+        ax.bar(names, values, color=["#888888", "#d08030", "#3070c0"][: len(names)])
+        ax.set_title(label)
+        ax.tick_params(axis="x", labelrotation=15, labelsize=8)
+    fig.suptitle(f"{summary['prefixes']} shared prefixes x {summary['prefix_len']} tokens, "
+                 f"{summary['requests']} requests, --max-total-tokens {summary['max_total_tokens']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    pattern = load(args.pattern)
+    prompts = workload(args)
+    ratio = runtime_window.shared_prefix_swa_ratio(
+        args.prefixes, args.prefix_len, args.requests, args.question_len + args.new_tokens,
+        pattern.sink, pattern.recent)
+    patterned = ["--omni-attn-pattern", str(args.pattern), "--swa-full-tokens-ratio", str(ratio)]
+    configs = {
+        "plain-radix": [],
+        "pattern-no-radix": [*patterned, "--disable-radix-cache"],
+        "pattern-radix": patterned,
+    }
+    work = Path(tempfile.mkdtemp(prefix="attn-prefix-"))
+    QUIET_FLAG.touch()
+    try:
+        servers = {name: run_server(args, name, prompts, configs[name], work)
+                   for name in args.servers.split(",")}
+    finally:
+        QUIET_FLAG.unlink(missing_ok=True)
+    summary: dict[str, Any] = {
+        "model": args.model.name, "pattern": args.pattern.name,
+        "sink": pattern.sink, "recent": pattern.recent,
+        "compressed_layers": len(pattern.compressed_layers),
+        "prefixes": args.prefixes, "prefix_len": args.prefix_len, "requests": args.requests,
+        "question_len": args.question_len, "new_tokens": args.new_tokens,
+        "max_total_tokens": args.max_total_tokens, "swa_full_tokens_ratio": ratio,
+        "chunked_prefill_size": args.chunked_prefill_size, "cpu_count": os.cpu_count(),
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "servers": servers,
+    }
+    if {"pattern-radix", "pattern-no-radix", "plain-radix"} <= servers.keys():
+        rate = {n: s["output_tokens_per_s"] for n, s in servers.items()}
+        summary["pattern_radix_over_pattern_no_radix"] = rate["pattern-radix"] / rate[
+            "pattern-no-radix"]
+        summary["pattern_radix_over_plain_radix"] = rate["pattern-radix"] / rate["plain-radix"]
+        print(f"pattern+radix / pattern without radix: "
+              f"{summary['pattern_radix_over_pattern_no_radix']:.2f}x; "
+              f"/ plain radix: {summary['pattern_radix_over_plain_radix']:.2f}x")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    plot(summary, args.out.with_suffix(".png"))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
