@@ -7,6 +7,10 @@ open-loop at --rate req/s: direct to a worker (the floor), then through each rou
 router minus direct at the same percentile. Throughput: closed loop, --concurrency clients.
 
   python benchmark/router/overhead.py --rates 200,1000 --duration 5
+  python benchmark/router/overhead.py --rates 1000 --api-key sk-x --policy oas \
+      --targets direct,omniproxy --output /tmp/oas.json
+With --api-key the workers require the key (as SGLang's server does), the routers are given it
+(OmniProxy then also requires it of clients) and every client presents it.
 Writes overhead.json and overhead.png beside this script and prints the table.
 """
 
@@ -32,14 +36,17 @@ BODY = {"text": "hello router", "sampling_params": {"max_new_tokens": 1}}
 
 
 # ---- TrivialEchoWorker ------------------------------------------------------------------------
-def serve_echo(port: int) -> None:
+def serve_echo(port: int, api_key: str | None = None) -> None:
     """An SGLang-shaped worker that answers immediately (no model): the overhead floor."""
     from aiohttp import web
 
     answer = json.dumps({"text": "ok", "meta_info": {"id": "x", "completion_tokens": 1}}).encode()
+    expected = f"Bearer {api_key}" if api_key else None
 
     async def gen(request: web.Request) -> web.Response:
         await request.read()
+        if expected is not None and request.headers.get("Authorization") != expected:
+            return web.Response(status=401, text="unauthorized")
         return web.Response(body=answer, content_type="application/json")
 
     async def info(_: web.Request) -> web.Response:
@@ -104,12 +111,15 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 # ---- load -------------------------------------------------------------------------------------
+HEADERS = {"Content-Type": "application/json"}
+
+
 async def open_loop(url: str, rate: float, duration: float) -> tuple[list[float], int]:
     """Send at ``rate`` req/s for ``duration`` s; latency of each answered request (s)."""
     latencies: list[float] = []
     errors = 0
     payload = json.dumps(BODY).encode()
-    headers = {"Content-Type": "application/json"}
+    headers = HEADERS
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         async def one() -> None:
@@ -144,7 +154,7 @@ async def open_loop(url: str, rate: float, duration: float) -> tuple[list[float]
 async def closed_loop(url: str, concurrency: int, duration: float) -> float:
     done = 0
     payload = json.dumps(BODY).encode()
-    headers = {"Content-Type": "application/json"}
+    headers = HEADERS
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         end = time.perf_counter() + duration
 
@@ -173,22 +183,31 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--policy", default="round_robin")
     p.add_argument("--output", type=Path, default=HERE / "overhead.json")
+    p.add_argument("--api-key", default=None, help="workers require it, routers get it, "
+                   "clients present it")
+    p.add_argument("--targets", default="direct,omniproxy,sglang-router",
+                   help="comma-separated subset of direct, omniproxy, sglang-router")
     p.add_argument("--serve-echo", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_echo:
-        serve_echo(args.serve_echo)
+        serve_echo(args.serve_echo, args.api_key)
         return 0
+    key_args = ["--api-key", args.api_key] if args.api_key else []
+    if args.api_key:
+        HEADERS["Authorization"] = f"Bearer {args.api_key}"
+    wanted = set(args.targets.split(","))
     logs = Path(tempfile.mkdtemp(prefix="router-overhead-"))  # process logs, kept on failure
     procs: list[subprocess.Popen[bytes]] = []
     rates = [float(r) for r in args.rates.split(",")]
     results: dict[str, Any] = {"rates": rates, "duration_s": args.duration,
                                "concurrency": args.concurrency, "workers": args.workers,
-                               "policy": args.policy, "cpus": os.cpu_count(), "runs": {}}
+                               "policy": args.policy, "cpus": os.cpu_count(),
+                               "api_key": bool(args.api_key), "runs": {}}
     try:
         urls = []
         for i in range(args.workers):
             port = free_port()
-            procs.append(start([sys.executable, __file__, "--serve-echo", str(port)],
+            procs.append(start([sys.executable, __file__, "--serve-echo", str(port), *key_args],
                                f"http://127.0.0.1:{port}/health", logs / f"echo{i}.log"))
             urls.append(f"http://127.0.0.1:{port}")
         targets: dict[str, list[str] | None] = {"direct": None}
@@ -196,12 +215,14 @@ def main() -> int:
         targets["omniproxy"] = [sys.executable, "-m", "omniinfer.router", "--host", "127.0.0.1",
                                 "--port", str(ours), "--worker-urls", *urls,
                                 "--policy", args.policy, "--log-level", "warn",
-                                "--max-concurrent-requests", "0"]
+                                "--max-concurrent-requests", "0", *key_args]
         rust = free_port()
         targets["sglang-router"] = [sys.executable, "-m", "sglang_router.launch_router",
                                     "--host", "127.0.0.1", "--port", str(rust),
                                     "--worker-urls", *urls, "--policy", args.policy,
-                                    "--log-level", "warn", "--prometheus-port", str(free_port())]
+                                    "--log-level", "warn", "--prometheus-port", str(free_port()),
+                                    *key_args]
+        targets = {k: v for k, v in targets.items() if k in wanted}
         ports = {"direct": None, "omniproxy": ours, "sglang-router": rust}
         curves: dict[str, list[float]] = {}
         for name, command in targets.items():
@@ -222,15 +243,19 @@ def main() -> int:
                 if proc is not None:
                     stop(proc)
         for rate in rates:
-            base = results["runs"][f"direct@{rate:.0f}"]
+            base = results["runs"].get(f"direct@{rate:.0f}")
             for name in ("omniproxy", "sglang-router"):
-                run = results["runs"][f"{name}@{rate:.0f}"]
+                run = results["runs"].get(f"{name}@{rate:.0f}")
+                if base is None or run is None:
+                    continue
                 run["added_p50_ms"] = run["p50_ms"] - base["p50_ms"]
                 run["added_p99_ms"] = run["p99_ms"] - base["p99_ms"]
                 # a direct p99 far above a millisecond means the client machine itself saturated
                 run["client_saturated"] = base["p99_ms"] > 20.0
         tp = results["max_throughput_rps"]
-        results["ratio_throughput_ours_over_rust"] = tp["omniproxy"] / max(1e-6, tp["sglang-router"])
+        if "omniproxy" in tp and "sglang-router" in tp:
+            results["ratio_throughput_ours_over_rust"] = tp["omniproxy"] / max(
+                1e-6, tp["sglang-router"])
     finally:
         for proc in procs:
             stop(proc)
@@ -246,7 +271,8 @@ def main() -> int:
               f"{run['errors']:>8}{note}")
     for name, value in results["max_throughput_rps"].items():
         print(f"max throughput {name:<14} {value:8.0f} req/s (closed loop, {args.concurrency} clients)")
-    print(f"max throughput ours / rust: {results['ratio_throughput_ours_over_rust']:.2f}x")
+    if "ratio_throughput_ours_over_rust" in results:
+        print(f"max throughput ours / rust: {results['ratio_throughput_ours_over_rust']:.2f}x")
     _plot(curves, args.output.with_suffix(".png"))
     return 0
 

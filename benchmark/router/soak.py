@@ -1,0 +1,264 @@
+"""Soak OmniProxy: N minutes of mixed traffic against emulated PD workers, with faults.
+
+Traffic (open loop at --rate req/s): normal and streaming requests, clients that leave after
+the first event, and bad inputs (deep nesting, huge numbers, wrong types, garbage). Faults every
+--fault-every seconds: a worker killed and restarted on its port, or frozen (SIGSTOP) for a
+while and thawed. At the end it prints requests sent, faults injected, bad inputs tried,
+requests lost (no answer, or a stream without its end: must be 0), 5xx answers to bad inputs
+(must be 0), the router's RSS after warm-up and at the end, and the router's in-flight counters
+once traffic stopped (must all be 0).
+
+  python benchmark/router/soak.py --minutes 20 --rate 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from omniinfer.launch import free_port
+from omniinfer.proxy.process import RouterProcess
+
+HERE = Path(__file__).resolve().parent
+KEY = "soak-key"
+
+
+class Worker:
+    """One ``python -m omniinfer.emulator`` that can be killed, restarted, frozen, thawed."""
+
+    def __init__(self, mode: str, log_dir: Path) -> None:
+        self.mode, self.port = mode, free_port()
+        self.bootstrap = free_port() if mode == "prefill" else None
+        self.command = [sys.executable, "-m", "omniinfer.emulator", "--profile", "cpu-smollm2",
+                        "--port", str(self.port), "--time-scale", "0.02",
+                        "--disaggregation-mode", mode]
+        if self.bootstrap:
+            self.command += ["--disaggregation-bootstrap-port", str(self.bootstrap)]
+        self.log = log_dir / f"{mode}-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError(f"emulator {self.mode} on {self.port} did not start")
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait()
+
+
+def _deep(depth: int) -> bytes:
+    return b'{"text": "x", "extra": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+BAD = [_deep(300), _deep(2000), b'{"text": "x", "n": 1e999}', b'{"text": {"a": 1}}',
+       b'{"input_ids": [1, "2"]}', b'{"text": "x", "stream": "yes"}', b"[1, 2]", b"\xff\xfe",
+       b'{"text": "x", "sampling_params": {"max_new_tokens": 1e300}}',
+       b'{"text": "x", "sampling_params": "many"}', b'{"messages": 3}', b""]
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.lost: list[str] = []
+        self.bad_5xx: list[str] = []
+
+    def add(self, key: str) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+
+async def one(session: aiohttp.ClientSession, base: str, kind: str, i: int, tally: Tally) -> None:
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    path = random.choice(["/generate", "/v1/completions", "/v1/chat/completions"])
+    n = random.randint(1, 24)
+    body: Any = {"/generate": {"text": f"soak {i} " * random.randint(1, 40),
+                               "sampling_params": {"max_new_tokens": n}},
+                 "/v1/completions": {"prompt": f"soak {i}", "max_tokens": n, "model": "m"},
+                 "/v1/chat/completions": {"messages": [{"role": "user", "content": f"soak {i}"}],
+                                          "max_tokens": n, "model": "m"}}[path]
+    if kind == "bad":
+        data = random.choice(BAD)
+        path = random.choice(["/generate", "/v1/completions", "/v1/chat/completions"])
+    else:
+        body["stream"] = kind in ("stream", "leave")
+        body["rid"] = random.choice(["a", "ab", f"c{i}"])  # rids that prefix each other
+        data = json.dumps(body).encode()
+    tally.add(f"sent_{kind}")
+    try:
+        async with session.post(base + path, data=data, headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=180)) as resp:
+            tally.add(f"status_{resp.status}")
+            if kind == "bad":
+                await resp.read()
+                if resp.status >= 500:
+                    tally.bad_5xx.append(f"{resp.status} {data[:60]!r}")
+                return
+            if kind == "leave":
+                await resp.content.readline()
+                return  # leaving: the context exit closes the connection mid-stream
+            text = (await resp.read()).decode(errors="replace")
+            if resp.status == 200 and body["stream"] and not text.rstrip().endswith("[DONE]"):
+                tally.lost.append(f"stream without its end: {text[-120:]!r}")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        tally.lost.append(f"{kind}: {exc.__class__.__name__}: {exc}")
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def describe(base: str) -> dict[str, Any]:
+    req = urllib.request.Request(base + "/list_workers",
+                                 headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def counters(state: dict[str, Any]) -> dict[str, int]:
+    """Everything that must be back to zero once no request is in flight."""
+    out = {"admission_active": state["admission"]["active"],
+           "admission_queued": state["admission"]["queued"]}
+    for w in state["workers"]:
+        out[f"{w['url']} inflight_requests"] = w["inflight_requests"]
+        out[f"{w['url']} inflight_tokens"] = w["inflight_tokens"]
+    for role, policy in (state.get("policy_state") or {}).items():
+        out[f"{role} policy queued"] = policy.get("queued", 0)
+        for url, inst in (policy.get("instances") or {}).items():
+            out[f"{role} {url} booked"] = inst.get("sent", 0)
+    return out
+
+
+async def traffic(base: str, workers: list[Worker], args: argparse.Namespace,
+                  tally: Tally, router_pid: int, rss: dict[str, int]) -> None:
+    kinds = ["normal"] * 45 + ["stream"] * 25 + ["leave"] * 10 + ["bad"] * 20
+    duration = args.minutes * 60
+    warmup = min(120.0, duration * 0.1)
+    start = time.monotonic()
+    next_fault = start + args.fault_every
+    tasks: set[asyncio.Task[None]] = set()
+    i = 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        while (now := time.monotonic()) - start < duration:
+            if "warm" not in rss and now - start >= warmup:
+                rss["warm"] = rss_kib(router_pid)
+            if now >= next_fault:
+                next_fault = now + args.fault_every
+                asyncio.get_running_loop().run_in_executor(None, fault, workers, tally)
+            kind = random.choice(kinds)
+            task = asyncio.create_task(one(session, base, kind, i, tally))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            i += 1
+            await asyncio.sleep(random.expovariate(args.rate))
+        await asyncio.gather(*tasks)
+
+
+def fault(workers: list[Worker], tally: Tally) -> None:
+    victim = random.choice(workers)
+    if random.random() < 0.5:
+        tally.add(f"fault_kill_{victim.mode}")
+        victim.stop()
+        time.sleep(3.0)
+        victim.start()
+    else:
+        tally.add(f"fault_hang_{victim.mode}")
+        victim.signal(signal.SIGSTOP)
+        time.sleep(8.0)
+        victim.signal(signal.SIGCONT)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=20.0)
+    ap.add_argument("--rate", type=float, default=10.0, help="requests per second")
+    ap.add_argument("--fault-every", type=float, default=30.0, help="seconds between faults")
+    ap.add_argument("--policy", default="oas", help="prefill and decode policy")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(HERE / "soak.json"))
+    args = ap.parse_args()
+    random.seed(args.seed)
+    log_dir = Path(tempfile.mkdtemp(prefix="omniproxy-soak-"))
+    workers = [Worker("prefill", log_dir), Worker("prefill", log_dir), Worker("decode", log_dir)]
+    tally, rss = Tally(), {}
+    try:
+        for w in workers:
+            w.start()
+        router_args = ["--pd-disaggregation", "--prefill-policy", args.policy,
+                       "--decode-policy", args.policy, "--api-key", KEY,
+                       "--health-check-interval-secs", "1", "--request-timeout-secs", "30",
+                       "--upstream-first-byte-timeout-secs", "15",
+                       "--upstream-idle-timeout-secs", "10", "--log-level", "warn",
+                       "--access-log", str(log_dir / "access.jsonl")]
+        for w in workers:
+            router_args += (["--prefill", w.url, str(w.bootstrap)] if w.mode == "prefill"
+                            else ["--decode", w.url])
+        with RouterProcess(router_args, log_dir / "router.log") as router:
+            assert router.process is not None
+            pid = router.process.pid
+            rss["start"] = rss_kib(pid)
+            asyncio.run(traffic(router.base_url, workers, args, tally, pid, rss))
+            for w in workers:  # faults over: every worker back before the final reading
+                w.signal(signal.SIGCONT)
+            deadline = time.monotonic() + 60
+            while True:
+                left = counters(describe(router.base_url))
+                if not any(left.values()) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            rss["end"] = rss_kib(pid)
+    finally:
+        for w in workers:
+            w.stop()
+    sent = sum(v for k, v in tally.counts.items() if k.startswith("sent_"))
+    summary = {"minutes": args.minutes, "rate": args.rate, "policy": args.policy,
+               "requests_sent": sent, "bad_inputs_tried": tally.counts.get("sent_bad", 0),
+               "faults_injected": sum(v for k, v in tally.counts.items()
+                                      if k.startswith("fault_")),
+               "requests_lost": len(tally.lost), "bad_input_5xx": len(tally.bad_5xx),
+               "router_rss_kib": rss, "inflight_at_end": {k: v for k, v in left.items() if v},
+               "counts": dict(sorted(tally.counts.items())), "lost_examples": tally.lost[:10],
+               "bad_5xx_examples": tally.bad_5xx[:10], "logs": str(log_dir)}
+    Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in summary.items() if k != "counts"}, indent=1))
+    print("counts:", summary["counts"])
+    ok = not tally.lost and not tally.bad_5xx and not summary["inflight_at_end"]
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
