@@ -25,7 +25,7 @@ from omniinfer.proxy.circuit import CircuitBreaker
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.kv_subscriber import CacheTruth, parse_endpoint_overrides
 from omniinfer.proxy.metrics import AccessLog, ProxyMetrics
-from omniinfer.proxy.prefix import PrefixIndex
+from omniinfer.proxy.prefix import PrefixIndex, block_hashes
 from omniinfer.proxy.tokenization import ApproxTokenizer, Tokenizer, load_tokenizer, prompt_tokens
 from omniinfer.proxy.workers import Role, Worker, WorkerLoads, WorkerPool
 
@@ -158,12 +158,19 @@ class Router:
         base = f"{self._rid_prefix}{self._rid_counter & 0xFFFFFFFFFFFF:012x}"
         return [base] if batch == 1 else [f"{base}-{i:06d}" for i in range(batch)]
 
-    async def tokenize(self, endpoint: str, body: dict[str, Any]) -> list[list[int]]:
-        """Tokenize off the loop, at most ``--tokenize-concurrency`` at once; a client that
-        leaves while its prompt waits for a slot costs nothing more."""
+    def _tokens_and_hashes(self, endpoint: str, body: dict[str, Any]
+                           ) -> tuple[list[list[int]], list[int]]:
+        prompts = prompt_tokens(endpoint, body, self.tokenizer)
+        return prompts, block_hashes(prompts[0], self.config.apc_block_size)
+
+    async def tokenize(self, endpoint: str, body: dict[str, Any]
+                       ) -> tuple[list[list[int]], list[int]]:
+        """Tokens and the first prompt's block hashes, computed off the loop, at most
+        ``--tokenize-concurrency`` at once; a client that leaves while its prompt waits for a
+        slot costs nothing more."""
         await self._tokenize_slots.acquire()
         try:
-            job = self._tokenize_pool.submit(prompt_tokens, endpoint, body, self.tokenizer)
+            job = self._tokenize_pool.submit(self._tokens_and_hashes, endpoint, body)
         except BaseException:
             self._tokenize_slots.release()
             raise

@@ -71,7 +71,7 @@ async def handle(router: Router, request: web.Request, endpoint: str) -> web.Str
     except asyncio.CancelledError:
         status = 499  # the client went away; nobody is left to answer
         raise
-    except (ConnectionResetError, ConnectionError):
+    except ConnectionError:
         status = 499
         raise
     except Rejected as exc:
@@ -122,17 +122,22 @@ async def _prepare(router: Router, request: web.Request, endpoint: str, life: Li
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false")
     life.enter(Phase.TOKENIZE, life.arrival)
-    if len(raw) > INLINE_TOKENIZE_BYTES:
-        prompts = await router.tokenize(endpoint, body)
-    else:
-        prompts = prompt_tokens(endpoint, body, router.tokenizer)
+    size = router.config.apc_block_size
+    try:
+        if len(raw) > INLINE_TOKENIZE_BYTES:  # tokens and hashes off the loop, bounded
+            prompts, hashes = await router.tokenize(endpoint, body)
+        else:
+            prompts = prompt_tokens(endpoint, body, router.tokenizer)
+            hashes = block_hashes(prompts[0], size)
+    except BadRequest:
+        raise
+    except (TypeError, ValueError, RecursionError, OverflowError) as exc:
+        raise BadRequest(f"the prompt cannot be tokenized: {exc}") from None
     if len(prompts) > MAX_BATCH:
         raise BadRequest(f"at most {MAX_BATCH} prompts per request")
     if router.pd and endpoint == "generate" and body.get("n", 1) not in (1, None):
         raise BadRequest("'n' > 1 is not supported in PD mode")
     life.enter(Phase.APC_MATCHING)
-    size = router.config.apc_block_size
-    hashes = block_hashes(prompts[0], size)
     budget = min(MAX_OUTPUT_TOKENS, output_budget(endpoint, body,
                                                   router.config.default_max_new_tokens))
     route = RouteRequest(life.request_id, sum(map(len, prompts)), budget * len(prompts), hashes,

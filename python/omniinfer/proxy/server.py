@@ -77,7 +77,8 @@ async def server_info(request: web.Request) -> web.Response:
         info = await router.get_json(worker, "/server_info", timeout=10.0)
         if isinstance(info, dict):
             break
-    data = dict(info) if isinstance(info, dict) else {}
+    data = {k: v for k, v in info.items() if "api_key" not in k} if isinstance(info, dict) \
+        else {}  # a worker's server args name its key: a user key must not reveal it
     data["omniproxy"] = router.describe()
     return _json(data)
 
