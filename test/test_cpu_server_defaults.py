@@ -10,6 +10,7 @@ from omniinfer.cpu.server_defaults import (
     EARLY_SEND_ENV,
     HOST_IP_ENV,
     PD_MOONCAKE_ENV,
+    PD_POLL_MS_ENV,
     apply_cpu_server_defaults,
 )
 
@@ -34,13 +35,17 @@ def test_busy_poll_keeps_sglang_default() -> None:
     ns = _ns()
     assert apply_cpu_server_defaults(ns, {}, busy_poll=True) == []
     assert ns.sleep_on_idle is False
+    env: dict[str, str] = {}
+    apply_cpu_server_defaults(_ns(disaggregation_mode="decode"), env, busy_poll=True)
+    assert PD_POLL_MS_ENV not in env and env[PD_MOONCAKE_ENV] == "1"
 
 
 def test_prefill_on_mooncake() -> None:
     ns, env = _ns(disaggregation_mode="prefill"), {}
     apply_cpu_server_defaults(ns, env)
     assert ns.disaggregation_transfer_backend == "mooncake_tcp"
-    assert env == {PD_MOONCAKE_ENV: "1", EARLY_SEND_ENV: "0", HOST_IP_ENV: "127.0.0.1"}
+    assert env == {PD_MOONCAKE_ENV: "1", EARLY_SEND_ENV: "0", HOST_IP_ENV: "127.0.0.1",
+                   PD_POLL_MS_ENV: "2"}
     assert ns.disaggregation_decode_retraction_backup is None  # a decode-side setting
 
 

@@ -17,25 +17,26 @@ from omniinfer.flags import OmniConfig
 
 
 @pytest.fixture()
-def recorded(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    from omniinfer.cpu.server_defaults import PD_MOONCAKE_ENV
+def recorded(monkeypatch: pytest.MonkeyPatch) -> dict[str, set[str]]:
+    from omniinfer.cpu.server_defaults import PD_MOONCAKE_ENV, PD_POLL_MS_ENV
     from omniinfer.sglang_plugin import hooks
 
-    targets: dict[str, str] = {}
+    targets: dict[str, set[str]] = {}
 
     class Recorder:
         @staticmethod
         def register(target: str, hook: Any, kind: Any) -> None:
             assert callable(hook)
-            targets[target] = kind.value
+            targets.setdefault(target, set()).add(kind.value)
 
     monkeypatch.setattr(hooks, "HookRegistry", Recorder)
     monkeypatch.setattr(hooks, "_REGISTERED", {})
     monkeypatch.setenv(PD_MOONCAKE_ENV, "1")
+    monkeypatch.setenv(PD_POLL_MS_ENV, "2")
     return targets
 
 
-def test_every_plugin_hook_target_resolves(recorded: dict[str, str],
+def test_every_plugin_hook_target_resolves(recorded: dict[str, set[str]],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     import omniinfer.attn
     from omniinfer.sglang_plugin import cpu_fixes, omni_attn, placement_hooks, server_args, worker
@@ -48,7 +49,8 @@ def test_every_plugin_hook_target_resolves(recorded: dict[str, str],
     placement_hooks.register(OmniConfig(enable_omni_placement=True))
     omni_attn.register(OmniConfig(omni_attn_pattern=pattern))
     assert len(recorded) >= 15, recorded
-    assert any("MooncakeKVSender" in t for t in recorded)  # the PD path was registered
+    assert any("MooncakeKVSender" in t for t in recorded)  # the PD paths were registered
+    assert "around" in recorded.get("sglang.srt.managers.scheduler.Scheduler.on_idle", set())
     unresolved = []
     for target in recorded:
         try:

@@ -15,9 +15,12 @@ The PD overhead ``PD TTFT - plain TTFT`` is what the emulator's ``transfer`` ter
 (least squares) and, with ``--write-profile``, writes the fitted terms into the ``cpu-smollm2``
 emulator profile. Prints a table, writes ``results/transfer.json`` and ``results/transfer.png``.
 
-    python benchmark/pd/transfer.py                       # ~5 min on a 2-core machine
-    python benchmark/pd/transfer.py --write-profile
-Run it on a quiet machine: the two cores are shared by all three servers.
+With ``--compare-spin`` a second PD pair runs with SGLang's own waiting (its schedulers spin
+while a request waits for KV or for the peer), interleaved with the first: on a machine where
+prefill and decode share the cores, that spinning slows the prefill forward itself.
+
+    python benchmark/pd/transfer.py --compare-spin --write-profile   # ~12 min on 2 cores
+Run it on a quiet machine: the two cores are shared by all the servers.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from omniinfer.cpu.server_defaults import PD_POLL_MS_ENV
 from omniinfer.launch_pd import load, pd_server, plain_server, started
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,6 +128,9 @@ def plot(rows: list[dict[str, Any]], latency: float, slope: float, path: Path) -
     xs = [r["tokens"] for r in rows]
     ax.plot(xs, [r["overhead_ms"] for r in rows], "o-", label="PD TTFT - plain TTFT (median)")
     ax.plot(xs, [r["sglang_transfer_ms"] for r in rows], "s--", label="SGLang transfer time")
+    if "spin_overhead_ms" in rows[0]:
+        ax.plot(xs, [r["spin_overhead_ms"] for r in rows], "x-.",
+                label="same, schedulers spinning while waiting (SGLang default)")
     ax.plot(xs, [1000 * (latency + slope * x) for x in xs], ":", label="fit (emulator terms)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prompt tokens")
@@ -139,38 +146,63 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=MODEL)
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--write-profile", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compare-spin", action="store_true",
+                        help="also run a PD pair whose schedulers spin while waiting (SGLang's "
+                             "own behaviour, OMNIINFER_CPU_PD_POLL_MS=0), interleaved")
     args = parser.parse_args(argv)
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     rng = random.Random(args.seed)
     random.seed(args.seed)
     max_tokens = max(16384, 2 * max(args.lengths) + 64)
     logs = Path(tempfile.mkdtemp(prefix="pd-transfer-"))
-    servers = [pd_server(args.model, "prefill", logs, max_tokens),
-               pd_server(args.model, "decode", logs, max_tokens),
+    # --enable-metrics: SGLang records per-request time stats only then, and with them the
+    # prefill server's last transfer time and speed in /v1/loads.
+    metrics = ["--enable-metrics"]
+    servers = [pd_server(args.model, "prefill", logs, max_tokens, metrics),
+               pd_server(args.model, "decode", logs, max_tokens, metrics),
                plain_server(args.model, logs, max_tokens)]
+    if args.compare_spin:
+        spinning = [pd_server(args.model, "prefill", logs, max_tokens, metrics, "spin-prefill"),
+                    pd_server(args.model, "decode", logs, max_tokens, metrics, "spin-decode")]
+        for server in spinning:
+            server.env[PD_POLL_MS_ENV] = "0"
+        servers += spinning
     load_before = os.getloadavg()[0]
     samples: dict[int, list[dict[str, float]]] = {n: [] for n in args.lengths}
     print(f"[transfer] starting prefill, decode and plain servers (logs: {logs})")
     with started(servers), concurrent.futures.ThreadPoolExecutor(2) as pool:
-        prefill, decode, plain = servers
-        warm = [rng.randrange(1000, 40000) for _ in range(64)]
-        measure_pd(prefill, decode, warm, pool)
-        _post(plain.base_url + "/generate", _body(warm, 1, True), True)
+        prefill, decode, plain = servers[:3]
+        pairs = {"pd": (prefill, decode)}
+        if args.compare_spin:
+            pairs["spin"] = (servers[3], servers[4])
+        # The CPU engine pays a one-off cost for each new batch shape: run every length once on
+        # both paths before timing anything.
+        for n in tqdm(args.lengths, desc="warm-up", unit="len"):
+            warm = [rng.randrange(1000, 40000) for _ in range(n)]
+            for p, d in pairs.values():
+                measure_pd(p, d, warm, pool)
+            _post(plain.base_url + "/generate", _body(warm, 1, True), True)
         plan = [(n, r) for r in range(args.repeats) for n in args.lengths]
         for i, (n, _r) in enumerate(tqdm(plan, desc="prompts", unit="req")):
             ids = [rng.randrange(1000, 40000) for _ in range(n)]
-            if i % 2:  # alternate which path goes first
-                plain_ttft, _ = _post(plain.base_url + "/generate", _body(ids, 1, True), True)
-                pd = measure_pd(prefill, decode, ids, pool)
-            else:
-                pd = measure_pd(prefill, decode, ids, pool)
-                plain_ttft, _ = _post(plain.base_url + "/generate", _body(ids, 1, True), True)
-            samples[n].append({**pd, "plain_ttft_s": plain_ttft,
-                               "overhead_s": pd["pd_ttft_s"] - plain_ttft})
+            paths = ["plain", *pairs]
+            shift = i % len(paths)  # rotate which path goes first
+            got: dict[str, Any] = {}
+            for path in paths[shift:] + paths[:shift]:
+                if path == "plain":
+                    got[path], _ = _post(plain.base_url + "/generate", _body(ids, 1, True), True)
+                else:
+                    got[path] = measure_pd(*pairs[path], ids, pool)
+            sample = {**got["pd"], "plain_ttft_s": got["plain"],
+                      "overhead_s": got["pd"]["pd_ttft_s"] - got["plain"]}
+            if "spin" in got:
+                sample["spin_pd_ttft_s"] = got["spin"]["pd_ttft_s"]
+                sample["spin_overhead_s"] = got["spin"]["pd_ttft_s"] - got["plain"]
+            samples[n].append(sample)
     bytes_per_token = kv_bytes_per_token(PROFILE)
     rows = []
     for n in args.lengths:
@@ -185,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
             "sglang_transfer_ms": statistics.median(x["sglang_transfer_ms"] for x in s),
             "sglang_speed_gb_s": statistics.median(x["sglang_speed_gb_s"] for x in s),
         })
+        if args.compare_spin:
+            rows[-1]["spin_pd_ttft_ms"] = 1000 * statistics.median(x["spin_pd_ttft_s"] for x in s)
+            rows[-1]["spin_overhead_ms"] = 1000 * statistics.median(
+                x["spin_overhead_s"] for x in s)
     latency, slope = fit_line([float(r["tokens"]) for r in rows],
                               [r["overhead_ms"] / 1000 for r in rows])
     latency = max(latency, 0.0)
@@ -194,11 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     transfer_bandwidth = bytes_per_token / t_slope / 1e9 if t_slope > 0 else float("inf")
     when = time.strftime("%Y-%m-%d")
     print(f"\n{'tokens':>7} {'KV MiB':>7} {'plain TTFT':>11} {'PD TTFT':>9} {'overhead':>9} "
-          f"{'spread':>7} {'SGLang xfer':>12} {'GB/s':>6}")
+          f"{'spread':>7} {'SGLang xfer':>12} {'GB/s':>6}"
+          + (f" {'spinning PD TTFT':>17}" if args.compare_spin else ""))
     for r in rows:
         print(f"{r['tokens']:>7} {r['kv_mib']:>7.1f} {r['plain_ttft_ms']:>9.0f}ms "
               f"{r['pd_ttft_ms']:>7.0f}ms {r['overhead_ms']:>7.0f}ms {r['overhead_spread_ms']:>5.0f}ms"
-              f" {r['sglang_transfer_ms']:>10.1f}ms {r['sglang_speed_gb_s']:>6.2f}")
+              f" {r['sglang_transfer_ms']:>10.1f}ms {r['sglang_speed_gb_s']:>6.2f}"
+              + (f" {r['spin_pd_ttft_ms']:>15.0f}ms" if args.compare_spin else ""))
     print(f"\nfit of the PD overhead: latency {latency * 1000:.1f} ms + "
           f"{slope * 1e6:.2f} us/token  ->  bandwidth {bandwidth:.3g} GB/s "
           f"({bytes_per_token} KV bytes per token)")

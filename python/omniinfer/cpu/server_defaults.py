@@ -16,6 +16,11 @@ Why each one:
   ``cudaHostRegister``); a server listening on loopback advertises loopback for the transfer.
   The scheduler side (Mooncake's sender takes NumPy page indices, not pinned tensors) is a hook,
   switched on through :data:`PD_MOONCAKE_ENV`.
+- PD waits without spinning (:data:`PD_POLL_MS_ENV`): a PD scheduler with requests queued but
+  nothing to compute (a decode server waiting for KV, a prefill server waiting for its decode
+  peer) loops with ``time.sleep(0)``, taking a whole core; when prefill and decode share a
+  machine's cores, the prefill forward then runs 2-3x slower (measured by
+  benchmark/pd/transfer.py). The hook waits a few milliseconds on the scheduler's sockets instead.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import os
 from collections.abc import MutableMapping
 
 PD_MOONCAKE_ENV = "OMNIINFER_CPU_PD_MOONCAKE"
+PD_POLL_MS_ENV = "OMNIINFER_CPU_PD_POLL_MS"
+PD_POLL_MS_DEFAULT = "2"
 EARLY_SEND_ENV = "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"
 HOST_IP_ENV = "SGLANG_HOST_IP"
 MOONCAKE_BACKENDS = ("mooncake", "mooncake_tcp")
@@ -63,6 +70,10 @@ def apply_cpu_server_defaults(
         namespace.disaggregation_transfer_backend = "mooncake_tcp"
         changes.append("--disaggregation-transfer-backend mooncake_tcp (no RDMA on the CPU engine)")
     env[PD_MOONCAKE_ENV] = "1"
+    if not busy_poll and PD_POLL_MS_ENV not in env:
+        env[PD_POLL_MS_ENV] = PD_POLL_MS_DEFAULT
+        changes.append(f"{PD_POLL_MS_ENV}={PD_POLL_MS_DEFAULT} (a PD scheduler waiting for KV or "
+                       "its peer polls every 2 ms instead of spinning a core)")
     if mode == "prefill" and EARLY_SEND_ENV not in env:
         env[EARLY_SEND_ENV] = "0"
         changes.append(f"{EARLY_SEND_ENV}=0 (its early send builds a CUDA event)")

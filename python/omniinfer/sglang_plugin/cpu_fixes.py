@@ -13,6 +13,10 @@ PD disaggregation over Mooncake's TCP transport (only when the launcher set
 3. Mooncake's KV sender announces that it takes page indices as a host tensor; the prefill
    scheduler then stages them through pinned memory and a ``torch.cuda.Event``. On the CPU engine
    each sender says no, so the scheduler hands it NumPy indices.
+4. A PD scheduler with queued requests but nothing to compute returns from ``on_idle`` after a
+   ``time.sleep(0)`` and loops, spinning a core the co-located server needs; with
+   :data:`omniinfer.cpu.server_defaults.PD_POLL_MS_ENV` it waits that many milliseconds on its
+   sockets (a new request wakes it at once).
 
 Registered only when :func:`omniinfer.cpu.detect.cpu_engine_active` is true.
 """
@@ -21,13 +25,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookType
 
 from omniinfer.cpu.moe_native import masked_moe_forward
-from omniinfer.cpu.server_defaults import PD_MOONCAKE_ENV
+from omniinfer.cpu.server_defaults import PD_MOONCAKE_ENV, PD_POLL_MS_ENV
 from omniinfer.cpu.torch_compat import patch_torch
 from omniinfer.sglang_plugin import hooks
 
@@ -37,6 +42,7 @@ GROUP_COORDINATOR_INIT = "sglang.srt.distributed.parallel_state.GroupCoordinator
 # GroupCoordinator.__init__(self, group_ranks, local_rank, torch_distributed_backend, use_pynccl, ...)
 USE_PYNCCL_POSITION = 4
 MOE_FORWARD_NATIVE = "sglang.srt.layers.moe.fused_moe_native.moe_forward_native"
+SCHEDULER_ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 MOONCAKE_SENDER_INIT = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__"
 
 
@@ -72,6 +78,22 @@ def _sender_takes_numpy_indices(_result: Any, sender: Any, *_a: Any, **_k: Any) 
     sender.supports_host_tensor_indices = False
 
 
+def _pd_poll_wait(wait_ms: int) -> Callable[..., Any]:
+    def around_on_idle(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(scheduler, *args, **kwargs)
+        mode = getattr(getattr(scheduler, "disaggregation_mode", None), "value", "null")
+        if mode != "null":
+            sleeper = getattr(scheduler, "idle_sleeper", None)
+            poller = getattr(sleeper, "poller", None)
+            if poller is not None:
+                poller.poll(wait_ms)  # returns early when a request arrives
+            else:
+                time.sleep(wait_ms / 1000)
+        return result
+
+    return around_on_idle
+
+
 def register() -> None:
     patched = patch_torch()
     if patched:
@@ -81,3 +103,7 @@ def register() -> None:
     if os.environ.get(PD_MOONCAKE_ENV) == "1":
         hooks.register(MOONCAKE_SENDER_INIT, _sender_takes_numpy_indices, HookType.AFTER,
                        "PD on CPU: KV page indices without pinned memory or CUDA events")
+    wait_ms = int(os.environ.get(PD_POLL_MS_ENV, "0") or 0)
+    if wait_ms > 0:
+        hooks.register(SCHEDULER_ON_IDLE, _pd_poll_wait(wait_ms), HookType.AROUND,
+                       "PD on CPU: wait for KV or a peer without spinning a core")
