@@ -87,7 +87,8 @@ OMNI_FLAGS: tuple[OmniFlag, ...] = (
         "omni_placement_window",
         int,
         10,
-        "OmniPlacement: number of recorded activation windows kept for prediction.",
+        "OmniPlacement: span N of the moving average that predicts the next window's "
+        "activations (weight 2/(N+1) on the newest window, as an N-window EMA).",
         _at_least(1),
     ),
     OmniFlag(
