@@ -274,3 +274,25 @@ def test_oas_settings_are_typed_flags() -> None:
     assert decode.decode_cap(Worker("http://127.0.0.1:1", Role.DECODE)) == 7
     with pytest.raises(ValueError):
         RouterConfig(oas_lead_fraction=0.0, worker_urls=["http://h:1"]).validate()
+
+
+def test_a_client_leaving_as_its_prefill_is_booked_gives_the_booking_back() -> None:
+    """The release books the request, then the client's cancellation lands before it resumes:
+    before, the booking stayed and the instance never looked idle again."""
+    async def run() -> dict[str, Any]:
+        policy = _oas(Role.PREFILL)
+        p = Worker("http://127.0.0.1:1", Role.PREFILL)
+        p.healthy = True
+        big = RouteRequest("big", 40000, 8, (), 16)
+        assert (await policy.schedule(big, [p])).worker is p  # an idle instance: at once
+        waiting = asyncio.ensure_future(policy.schedule(RouteRequest("small", 64, 8), [p]))
+        await asyncio.sleep(0)
+        assert not waiting.done() and len(policy.queue) == 1  # held behind the big one
+        policy.on_prefill_done(big, p, 0.5)  # the pump books "small" for this instance ...
+        assert "small" in policy.clock(p).sent
+        waiting.cancel()  # ... and its client leaves in the same tick
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        return dict(policy.clock(p).sent)
+
+    assert asyncio.run(run()) == {}
