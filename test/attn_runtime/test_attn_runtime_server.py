@@ -1,4 +1,8 @@
-"""OmniAttn in the real SGLang CPU server on SmolLM2: outputs, freed memory, admission, status."""
+"""OmniAttn in the real SGLang CPU server on SmolLM2: outputs, freed memory, admission, status.
+
+This server runs with ``--disable-radix-cache``: it pins the no-prefix-reuse path (every slot of
+both pools back once idle). Prefix reuse on a patterned server is ``test_attn_radix_server.py``.
+"""
 
 from __future__ import annotations
 
@@ -54,7 +58,7 @@ def server(model_dir: Path, pattern: tuple[Pattern, Path],
     command = cpu_server_command(
         model_dir, port, max_total_tokens=MAX_TOTAL_TOKENS,
         extra_args=["--omni-attn-pattern", str(pattern[1]),
-                    "--swa-full-tokens-ratio", str(SWA_RATIO)],
+                    "--swa-full-tokens-ratio", str(SWA_RATIO), "--disable-radix-cache"],
     )
     log = tmp_path_factory.mktemp("logs") / "attn-server.log"
     with SGLangServer(command, cpu_env(), log, port, ready_timeout_s=600) as running:

@@ -3,7 +3,8 @@
 The tiny Llama (2 layers, layer 0 compressed with sink 4 + recent 8) runs on the CPU engine with
 ``TRITON_INTERPRET=1`` at ``--page-size 16``: full layers go through SGLang's own Triton kernels,
 the compressed layer through the sgl-kernel-npu decode and extend kernels over the SWA sub-pool.
-Its greedy outputs must equal the masked evaluator's token for token.
+Its greedy outputs must equal the masked evaluator's token for token, also when requests reuse
+a shared prefix through the sink-aware radix cache (on by default with a pattern).
 """
 
 from __future__ import annotations
@@ -85,3 +86,22 @@ def test_omni_triton_server_equals_the_masked_evaluator(
         assert reply["output_ids"] == want, length
         changed += want != _greedy(model, prompt, None)
     assert changed > 0  # the window matters for these prompts, so equality means something
+
+
+def test_omni_triton_reuses_a_shared_prefix_exactly(
+        server: Any, tiny_models: dict[str, Path], pattern: tuple[Pattern, Path]) -> None:
+    model, _ = evaluator.load_model(tiny_models["llama"])
+    windows = masks.windows_for(pattern[0].mask, SINK, RECENT)
+    gen = torch.Generator().manual_seed(1)
+    prefix = torch.randint(10, model.config.vocab_size, (6 * PAGE,), generator=gen).tolist()
+    cached = []
+    for _ in range(4):
+        prompt = prefix + torch.randint(10, model.config.vocab_size, (20,), generator=gen).tolist()
+        reply = post_json(f"{server.base_url}/generate", {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0,
+                                "ignore_eos": True},
+        }, timeout=600)
+        assert reply["output_ids"] == _greedy(model, prompt, windows)
+        cached.append(reply["meta_info"]["cached_tokens"])
+    assert max(cached[2:]) >= 4 * PAGE, cached  # past the sink's page: the prefix was reused
