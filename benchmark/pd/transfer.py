@@ -108,13 +108,16 @@ def kv_bytes_per_token(profile: Path) -> int:
 
 
 def write_profile(profile: Path, bandwidth_gb_s: float, latency_s: float, when: str) -> None:
+    """Replace the two fitted transfer lines, keeping the profile's comment column."""
     text = profile.read_text()
-    note = f"# fitted by benchmark/pd/transfer.py on {when}: real PD over Mooncake TCP"
-    text = re.sub(r"  bandwidth_gb_s: .*", f"  bandwidth_gb_s: {bandwidth_gb_s:.4g}"
-                  f"                 {note}", text)
-    text = re.sub(r"  latency_s: .*", f"  latency_s: {latency_s:.4g}"
-                  "                      # fitted intercept (handshake, decode-side scheduling)",
-                  text)
+    lines = {
+        "bandwidth_gb_s": (f"{bandwidth_gb_s:.4g}",
+                           f"fitted by benchmark/pd/transfer.py on {when}: real PD over Mooncake TCP"),
+        "latency_s": (f"{latency_s:.4g}", "fitted intercept (handshake, decode-side scheduling)"),
+    }
+    for key, (value, note) in lines.items():
+        line = f"  {key}: {value}".ljust(41) + f"# {note}"
+        text = re.sub(rf"^  {key}: .*$", line, text, flags=re.MULTILINE)
     profile.write_text(text)
 
 
