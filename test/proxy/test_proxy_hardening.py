@@ -107,6 +107,12 @@ def test_bad_inputs_are_4xx_and_release_every_counter(two: dict[str, Any]) -> No
                 assert "error" in answer  # ours, or the worker's own 4xx
         assert _inflight(router) == [0, 0]
         assert post(router.base_url + "/generate", {"text": "fine"})[0] == 200
+        two["a"].configure(fail_status=503)  # no worker can answer: still the input's 400
+        for raw in (b'{"text": "x", "sampling_params": "many"}',
+                    b'{"text": "x", "sampling_params": {"max_new_tokens": 1e300}}',
+                    b'{"prompt": "x", "max_tokens": -1}'):
+            path = "/v1/completions" if b"prompt" in raw else "/generate"
+            assert post(router.base_url + path, None, raw=raw)[0] == 400, raw
 
 
 def test_a_client_rid_cannot_abort_another_clients_request(two: dict[str, Any]) -> None:

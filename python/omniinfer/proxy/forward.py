@@ -27,7 +27,7 @@ from omniinfer.proxy.base import Decision, RouteRequest
 from omniinfer.proxy.core import Router
 from omniinfer.proxy.lifecycle import Lifecycle, Phase
 from omniinfer.proxy.prefix import block_hashes
-from omniinfer.proxy.tokenization import BadRequest, output_budget, prompt_tokens
+from omniinfer.proxy.tokenization import BadRequest, check_limits, output_budget, prompt_tokens
 from omniinfer.proxy.upstream import (
     UPSTREAM_PATHS,
     Exchange,
@@ -121,6 +121,7 @@ async def _prepare(router: Router, request: web.Request, endpoint: str, life: Li
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false")
+    check_limits(endpoint, body)
     life.enter(Phase.TOKENIZE, life.arrival)
     size = router.config.apc_block_size
     try:

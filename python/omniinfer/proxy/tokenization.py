@@ -128,6 +128,27 @@ def prompt_tokens(endpoint: str, body: dict[str, Any], tokenizer: Tokenizer) -> 
     raise BadRequest("one of 'text' or 'input_ids' is required")
 
 
+def _limit(value: Any, field: str) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise BadRequest(f"'{field}' must be a non-negative integer")
+
+
+def check_limits(endpoint: str, body: dict[str, Any]) -> None:
+    """Refuse output limits no worker accepts, here: forwarded, they would be answered 5xx
+    whenever no worker is available, an error the client's input caused."""
+    if endpoint == "generate":
+        params = body.get("sampling_params")
+        if params is None:
+            return
+        for one in params if isinstance(params, list) else [params]:
+            if not isinstance(one, dict):
+                raise BadRequest("'sampling_params' must be an object (or a list of objects)")
+            _limit(one.get("max_new_tokens"), "max_new_tokens")
+        return
+    for field in ("max_tokens", "max_completion_tokens"):
+        _limit(body.get(field), field)
+
+
 def output_budget(endpoint: str, body: dict[str, Any], default: int = DEFAULT_OUTPUT_TOKENS) -> int:
     """Expected output tokens (the request's limit, else ``default``) for load accounting."""
     if endpoint == "generate":
