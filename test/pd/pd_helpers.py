@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import omniinfer.data
+from omni_testing import post as http_post
+from omni_testing import sse_events
 from omniinfer.launch import free_port
 from omniinfer.launch_pd import held, load
 from omniinfer.proxy.process import RouterProcess
@@ -40,29 +39,8 @@ def gen_body(prompt: str | list[str], stream: bool = False, max_new_tokens: int 
 
 def post(url: str, body: dict[str, Any], timeout: float = 300.0) -> tuple[int, Any]:
     """(status, JSON or text); non-2xx answers are returned, not raised."""
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, _decode(response.read())
-    except urllib.error.HTTPError as err:
-        return err.code, _decode(err.read())
-
-
-def _decode(data: bytes) -> Any:
-    try:
-        return json.loads(data)
-    except ValueError:
-        return data.decode(errors="replace")
-
-
-def sse_events(text: str) -> list[Any]:
-    events: list[Any] = []
-    for line in text.splitlines():
-        if line.startswith("data:"):
-            payload = line[5:].strip()
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
+    status, data, _headers = http_post(url, body, timeout)
+    return status, data
 
 
 def stream_text(url: str, body: dict[str, Any]) -> tuple[int, list[Any]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,6 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from omni_testing import get, post, sse_events  # noqa: F401  (re-exported for the tests)
 from omniinfer.launch import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -62,42 +62,6 @@ class EmulatedWorkerProcess:
 
     def __exit__(self, *_: object) -> None:
         self.kill()
-
-
-def post(url: str, body: Any, timeout: float = 30.0, raw: bytes | None = None
-         ) -> tuple[int, Any, dict[str, str]]:
-    data = raw if raw is not None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, _decode(response.read()), dict(response.headers)
-    except urllib.error.HTTPError as err:
-        return err.code, _decode(err.read()), dict(err.headers)
-
-
-def get(url: str, timeout: float = 30.0) -> tuple[int, Any]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status, _decode(response.read())
-    except urllib.error.HTTPError as err:
-        return err.code, _decode(err.read())
-
-
-def _decode(data: bytes) -> Any:
-    try:
-        return json.loads(data)
-    except ValueError:
-        return data.decode(errors="replace")
-
-
-def sse_events(text: str) -> list[Any]:
-    """The data payloads of an SSE body ([DONE] as the string)."""
-    events = []
-    for line in text.splitlines():
-        if line.startswith("data:"):
-            payload = line[5:].strip()
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
 
 
 def wait_until(predicate: Any, timeout: float = 10.0, step: float = 0.05) -> bool:
