@@ -115,6 +115,12 @@ def burst(base_url: str, prompts: list[list[int]], new_tokens: int) -> dict[str,
             "cached_tokens": cached, "cache_hit_rate": cached / max(1, prompt)}
 
 
+def _relative(arg: str) -> str:
+    root = Path(__file__).resolve().parents[2]
+    path = Path(arg)
+    return str(path.relative_to(root)) if path.is_absolute() and path.is_relative_to(root) else arg
+
+
 def _loadavg() -> float:
     return os.getloadavg()[0]
 
@@ -124,7 +130,9 @@ def run_server(args: argparse.Namespace, name: str, prompts: list[list[int]],
     port = free_port()
     extra = ["--chunked-prefill-size", str(args.chunked_prefill_size), *extra]
     command = cpu_server_command(args.model, port, args.max_total_tokens, extra_args=extra)
-    record: dict[str, Any] = {"args": extra, "load_before": _loadavg()}
+    # Paths in the record are relative to the repository, so results carry no machine paths.
+    shown = [_relative(a) for a in extra]
+    record: dict[str, Any] = {"args": shown, "load_before": _loadavg()}
     with SGLangServer(command, cpu_env(), work / f"{name}.log", port,
                       ready_timeout_s=900) as server:
         record.update(burst(server.base_url, prompts, args.new_tokens))
