@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,7 +12,7 @@ import omniinfer.data
 from omni_testing import post as http_post
 from omni_testing import sse_events
 from omniinfer.launch import free_port
-from omniinfer.launch_pd import held, load
+from omniinfer.launch_pd import wait_idle
 from omniinfer.proxy.process import RouterProcess
 
 TEXT = (Path(omniinfer.data.__file__).parent / "text" / "paradise_lost.txt").read_text()
@@ -50,11 +49,7 @@ def stream_text(url: str, body: dict[str, Any]) -> tuple[int, list[Any]]:
 
 def assert_idle(url: str, timeout_s: float = 60.0) -> None:
     """The server ends up holding nothing for any request (running, queued, KV in use)."""
-    deadline = time.monotonic() + timeout_s
-    reading = held(load(url))
-    while any(reading.values()) and time.monotonic() < deadline:
-        time.sleep(0.5)
-        reading = held(load(url))
+    reading = wait_idle(url, timeout_s)
     assert not any(reading.values()), f"{url} still holds {reading}"
 
 
