@@ -1,11 +1,12 @@
-"""Routing policy interface and registry: filter → score → pick, one policy per file.
+"""Routing policy interface and registry, one policy per file.
 
 A policy sees a ``RouteRequest`` (token counts and the APC match per worker, computed by the
-router before routing) and the available workers of one role; it returns a ``Decision`` with a
-reason (counted in /metrics and written to the access log). Policies that need to hold requests
-back (deferred submission) override the async ``schedule``; those that learn from timing use the
-hooks. Adding a policy is adding one module to ``omniinfer.proxy.policies`` that calls
-``register_policy``.
+router before routing) and the workers of one role that may take it now (healthy, circuit
+closed, not yet tried for this request: the pool's ``candidates``); ``pick`` returns a
+``Decision`` with a reason (counted in /metrics and written to the access log). Policies that
+hold requests back (deferred submission) override the async ``schedule``; those that learn from
+timing use the hooks. Adding a policy is adding one module to ``omniinfer.proxy.policies`` that
+calls ``register_policy``.
 """
 
 from __future__ import annotations
@@ -65,20 +66,9 @@ class PolicyContext:
         self.mean_request_tokens += weight * (tokens - self.mean_request_tokens)
 
 
-class Filter(abc.ABC):
-    """Drops workers that must not take this request."""
-
-    @abc.abstractmethod
-    def __call__(self, request: RouteRequest, workers: list[Worker]) -> list[Worker]: ...
-
-
-class Scorer(abc.ABC):
-    """Scores each worker in [0, 1] (higher is better); ``category`` says what it balances."""
-
-    category: ClassVar[str] = "balance"  # "affinity" | "distribution" | "balance"
-
-    @abc.abstractmethod
-    def __call__(self, request: RouteRequest, workers: list[Worker]) -> dict[str, float]: ...
+def least_loaded(workers: Sequence[Worker]) -> Worker:
+    """Fewest in-flight tokens, then fewest in-flight requests, then list order."""
+    return min(workers, key=lambda w: (w.load_tokens(), w.inflight_requests))
 
 
 class PolicyHooks:
@@ -110,20 +100,13 @@ class Policy(PolicyHooks, abc.ABC):
 
     def __init__(self, context: PolicyContext) -> None:
         self.context = context
-        self.filters: list[Filter] = []
-
-    def filter(self, request: RouteRequest, workers: list[Worker]) -> list[Worker]:
-        for step in self.filters:
-            workers = step(request, workers)
-        return workers
 
     @abc.abstractmethod
     def pick(self, request: RouteRequest, workers: list[Worker]) -> Decision:
-        """Choose among ``workers`` (non-empty, already filtered)."""
+        """Choose among ``workers`` (non-empty) at once."""
 
     async def schedule(self, request: RouteRequest, workers: list[Worker]) -> Decision | None:
-        """Filter then pick; None if no worker can take it. Deferring policies override this."""
-        workers = self.filter(request, workers)
+        """Pick at once; None if no worker can take it. Deferring policies override this."""
         return self.pick(request, workers) if workers else None
 
 

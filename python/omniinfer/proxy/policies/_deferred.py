@@ -102,7 +102,6 @@ class DeferringPolicy(Policy):
 
     # ---- scheduling -------------------------------------------------------------------------
     async def schedule(self, request: RouteRequest, workers: list[Worker]) -> Decision | None:
-        workers = self.filter(request, workers)
         if not workers:
             return None
         if self.context.role is Role.DECODE:

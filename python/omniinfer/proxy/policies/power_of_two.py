@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import random
 
-from omniinfer.proxy.base import Decision, Policy, RouteRequest, register_policy
-from omniinfer.proxy.policies.scorers import least_loaded
+from omniinfer.proxy.base import Decision, Policy, RouteRequest, least_loaded, register_policy
 from omniinfer.proxy.workers import Worker
 
 
