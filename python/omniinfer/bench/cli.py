@@ -11,6 +11,7 @@ from typing import Any
 
 from omniinfer.bench.client import BACKENDS, RequestResult
 from omniinfer.bench.metrics import format_table, summarize
+from omniinfer.bench.prefix_workloads import PREFIX_WORKLOADS
 from omniinfer.bench.runner import (
     TargetUnreachable,
     check_reachable,
@@ -25,6 +26,7 @@ from omniinfer.bench.workloads import (
     TraceError,
     WorkloadSpec,
     describe,
+    poisson_arrivals,
 )
 
 
@@ -33,18 +35,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "bench",
         help="closed-loop or trace-replay benchmark of a running server",
         description="Closed loop: --concurrency N keeps N requests in flight (when one finishes, "
-        "the next starts). Trace replay: --replay sends each request at its trace time.",
+        "the next starts). Trace replay: --replay sends each request at its trace time. Open "
+        "loop: --request-rate R sends requests at Poisson times, R per second. Later turns of "
+        "multi-turn chats wait for the previous turn's answer in every mode.",
     )
     p.add_argument("--base-url", default="http://127.0.0.1:30000")
     p.add_argument("--backend", choices=sorted(BACKENDS), default="sglang",
                    help="sglang: /generate; openai: /v1/completions; openai-chat: /v1/chat/completions")
     p.add_argument("--tokenizer", help="served model or tokenizer folder (vocabulary, chat text)")
-    p.add_argument("--workload", choices=sorted(WORKLOADS) + sorted(TEXT_WORKLOADS), default="random")
+    p.add_argument("--workload", default="random",
+                   choices=sorted(WORKLOADS) + sorted(TEXT_WORKLOADS) + sorted(PREFIX_WORKLOADS),
+                   help="prefix-groups and multi-turn cut prompts from real text with "
+                   "--tokenizer (random ids without one)")
     p.add_argument("--trace", type=Path, help="trace file for mooncake/azure (default: the shipped one)")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--duration", type=float, default=None, help="closed loop: stop issuing after S seconds")
     p.add_argument("--replay", action="store_true", help="open loop: honour the trace timestamps")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="open loop: Poisson arrivals at this many requests per second (replaces "
+                   "trace timestamps; multi-turn: conversations start at rate / turns)")
     p.add_argument("--time-scale", type=float, default=1.0, help="replay: 0.1 = ten times faster")
     p.add_argument("--max-concurrency", type=int, default=None, help="replay: cap requests in flight")
     p.add_argument("--input-len", type=int, default=128)
@@ -53,8 +63,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--input-scale", type=float, default=1.0, help="multiply trace/paper input lengths")
     p.add_argument("--output-scale", type=float, default=1.0, help="multiply trace/paper output lengths")
     p.add_argument("--max-total-len", type=int, default=None, help="clip input+output to this")
-    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: system prompt tokens")
-    p.add_argument("--num-groups", type=int, default=8, help="shared-prefix: distinct prefixes")
+    p.add_argument("--prefix-len", type=int, default=512,
+                   help="shared-prefix, prefix-groups: tokens of each group's shared prefix")
+    p.add_argument("--num-groups", type=int, default=8,
+                   help="shared-prefix, prefix-groups: distinct prefixes")
+    p.add_argument("--users-per-group", type=int, default=5,
+                   help="prefix-groups: users per group; each round, every user sends a query "
+                   "(default --num-requests: one round)")
+    p.add_argument("--query-len", type=int, default=128,
+                   help="prefix-groups: tokens of the fresh query after the prefix")
+    p.add_argument("--conversations", type=int, default=16, help="multi-turn: chats")
+    p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per chat")
+    p.add_argument("--turn-len", type=int, default=128,
+                   help="multi-turn: tokens of each new user message (answers: --output-len)")
+    p.add_argument("--think-time", type=float, default=0.0,
+                   help="multi-turn: seconds between an answer and the next turn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds (default 2)")
     p.add_argument("--slo-tpot", type=float, default=0.050, help="seconds (default 0.05)")
@@ -84,7 +107,22 @@ def build_requests(args: argparse.Namespace, tokenizer: Any) -> list[BenchReques
         input_scale=args.input_scale, output_scale=args.output_scale,
         prefix_len=args.prefix_len, num_groups=args.num_groups, vocab_size=vocab,
         special_ids=special, max_total_len=args.max_total_len,
+        users_per_group=args.users_per_group, query_len=args.query_len,
+        conversations=args.conversations, turns=args.turns, turn_len=args.turn_len,
+        think_s=args.think_time,
     )
+    requests = _build(args, spec, tokenizer)
+    if args.request_rate is not None:
+        requests = poisson_arrivals(requests, args.request_rate, args.seed)
+    return requests
+
+
+def _build(args: argparse.Namespace, spec: WorkloadSpec, tokenizer: Any) -> list[BenchRequest]:
+    if args.workload in PREFIX_WORKLOADS:
+        if tokenizer is None:
+            print("omniinfer bench: no --tokenizer, prompts are random ids, not text",
+                  file=sys.stderr)
+        return PREFIX_WORKLOADS[args.workload](spec, tokenizer)
     if args.workload in TEXT_WORKLOADS:
         if tokenizer is None:
             raise ValueError(f"--workload {args.workload} needs --tokenizer")
@@ -121,7 +159,9 @@ def write_outputs(
 
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.num_requests is None and args.duration is None and not args.replay:
+        open_loop = args.replay or args.request_rate is not None
+        if (args.num_requests is None and args.duration is None and not open_loop
+                and args.workload not in PREFIX_WORKLOADS):
             args.num_requests = 64
         tokenizer = _tokenizer(args.tokenizer)
         requests = build_requests(args, tokenizer)
@@ -132,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     title = args.title or f"{args.workload} on {args.base_url} ({args.backend})"
     text = prompt_text_for(tokenizer)
     progress = not args.no_progress
-    if args.replay:
+    if open_loop:
         results, duration = asyncio.run(run_trace_replay(
             args.base_url, requests, args.time_scale, args.backend, text, args.max_concurrency,
             progress=progress))
@@ -142,9 +182,9 @@ def run(args: argparse.Namespace) -> int:
             progress=progress))
     summary: dict[str, Any] = summarize(results, duration, args.slo_ttft, args.slo_tpot)
     summary.update(
-        workload=args.workload, backend=args.backend, mode="replay" if args.replay else "closed",
-        concurrency=None if args.replay else args.concurrency,
-        time_scale=args.time_scale if args.replay else None, workload_stats=describe(requests),
+        workload=args.workload, backend=args.backend, mode="replay" if open_loop else "closed",
+        concurrency=None if open_loop else args.concurrency, request_rate=args.request_rate,
+        time_scale=args.time_scale if open_loop else None, workload_stats=describe(requests),
     )
     print(format_table(summary, title))
     for r in [r for r in results if not r.ok][:5]:

@@ -52,6 +52,11 @@ def summarize(
         "slo_ttft_s": slo_ttft_s,
         "slo_tpot_s": slo_tpot_s,
     }
+    reported = [r for r in done if r.cached_tokens is not None]
+    # share of prompt tokens the server found in its prefix cache (None: it reports none)
+    summary["cached_token_share"] = (
+        sum(r.cached_tokens or 0 for r in reported) / max(1, sum(r.prompt_tokens for r in reported))
+        if reported else None)
     summary.update(_stats("ttft", [r.ttft for r in done if r.ttft is not None]))
     summary.update(_stats("tpot", [r.tpot for r in done if r.tpot is not None]))
     summary.update(_stats("itl", [x for r in done for x in r.itl]))
@@ -80,6 +85,8 @@ def format_table(summary: dict[str, float | int | None], title: str = "Benchmark
         ("Mean E2E latency (ms)", fmt(summary["mean_e2e_latency_ms"], 1)),
         ("Goodput under SLO (QPM)", fmt(summary["goodput_requests_per_minute"])),
     ]
+    if summary.get("cached_token_share") is not None:
+        rows.append(("Prompt tokens from cache", f"{summary['cached_token_share']:.1%}"))
     width = max(len(k) for k, _ in rows) + 2
     line = "=" * (width + 16)
     body = "\n".join(f"{k:<{width}}{v:>16}" for k, v in rows)

@@ -23,6 +23,35 @@ def _no_text(request: BenchRequest) -> str:
     return request.prompt
 
 
+class Turns:
+    """Which requests are answered, for turns that wait for an earlier one (``after``)."""
+
+    def __init__(self, requests: Sequence[BenchRequest], think_scale: float = 1.0) -> None:
+        position = {r.index: i for i, r in enumerate(requests)}
+        self.answered: dict[int, asyncio.Event] = {}
+        for i, r in enumerate(requests):
+            if r.after is None:
+                continue
+            if position.get(r.after, i) >= i:  # later or missing: a closed loop could deadlock
+                raise ValueError(f"request {r.index} follows {r.after}, which does not come "
+                                 "before it in the workload")
+            self.answered.setdefault(r.after, asyncio.Event())
+        self.think_scale = think_scale
+
+    async def ready(self, request: BenchRequest) -> None:
+        """Return once the request this one follows is answered and the think time has passed."""
+        if request.after is None:
+            return
+        await self.answered[request.after].wait()
+        if request.think_s > 0:
+            await asyncio.sleep(request.think_s * self.think_scale)  # the user's think time
+
+    def answer(self, request: BenchRequest) -> None:
+        event = self.answered.get(request.index)
+        if event is not None:
+            event.set()
+
+
 async def check_reachable(base_url: str, timeout_s: float = 10.0) -> None:
     """GET /health (falling back to /v1/models); raise TargetUnreachable if nothing answers."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -57,6 +86,7 @@ async def run_closed_loop(
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     api = BACKENDS[backend] if isinstance(backend, str) else backend
+    turns = Turns(requests)
     pending = list(reversed(requests))
     results: list[RequestResult] = []
     bar = tqdm(total=len(requests), desc="requests", disable=not progress, unit="req")
@@ -67,7 +97,9 @@ async def run_closed_loop(
         async def user() -> None:
             while pending and (deadline is None or time.perf_counter() < deadline):
                 request = pending.pop()
+                await turns.ready(request)
                 results.append(await send(session, base_url, api, request, prompt_text, t0))
+                turns.answer(request)
                 bar.update(1)
 
         await asyncio.gather(*(user() for _ in range(min(concurrency, len(requests)))))
@@ -89,11 +121,14 @@ async def run_trace_replay(
     """Send each request at its trace time × ``time_scale`` (0.1 = ten times faster).
 
     An optional ``max_concurrency`` caps requests in flight; a request that waits for a slot is
-    sent late and its lateness shows in its ``start`` against its arrival time.
+    sent late and its lateness shows in its ``start`` against its arrival time. A request that
+    follows another (a later turn) is sent once that one is answered and its think time
+    (× ``time_scale``) has passed, and not before its own arrival time.
     """
     if time_scale <= 0:
         raise ValueError("time_scale must be > 0")
     api = BACKENDS[backend] if isinstance(backend, str) else backend
+    turns = Turns(requests, time_scale)
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(requests), desc="requests", disable=not progress, unit="req")
     t0 = time.perf_counter()
@@ -105,11 +140,13 @@ async def run_trace_replay(
             delay = (request.arrival_s - first) * time_scale - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
+            await turns.ready(request)
             if slots is None:
                 result = await send(session, base_url, api, request, prompt_text, t0)
             else:
                 async with slots:
                     result = await send(session, base_url, api, request, prompt_text, t0)
+            turns.answer(request)
             bar.update(1)
             return result
 

@@ -36,6 +36,9 @@ class BenchRequest:
     input_ids: tuple[int, ...] | None = None
     prompt: str | None = None
     arrival_s: float = 0.0  # offset from the start of the trace (open-loop replay)
+    after: int | None = None  # sent only once this request (an earlier turn) is answered
+    think_s: float = 0.0  # ... and this long after that answer
+    group: int | None = None  # shared-prefix group or conversation, for per-group figures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,12 @@ class WorkloadSpec:
     vocab_size: int = 32000
     special_ids: frozenset[int] = frozenset()
     max_total_len: int | None = None
+    users_per_group: int = 5
+    query_len: int = 128
+    conversations: int = 16
+    turns: int = 4
+    turn_len: int = 128
+    think_s: float = 0.0
 
 
 def packaged_trace(name: str) -> Path:
@@ -270,6 +279,26 @@ def text_corpus(spec: WorkloadSpec, tokenizer: object) -> list[BenchRequest]:
         real = len(tokenizer.encode(prompt, add_special_tokens=False))  # type: ignore[attr-defined]
         out.append(BenchRequest(i, real, n_out, prompt=prompt))
     return out
+
+
+def poisson_arrivals(requests: list[BenchRequest], rate: float, seed: int) -> list[BenchRequest]:
+    """Open-loop arrival times at ``rate`` requests per second (seeded Poisson process).
+
+    Requests that follow another (``after``) arrive when it is answered, so only the first
+    turns get times: they come at ``rate`` × (first turns / all requests), which keeps the
+    overall request rate at ``rate`` while every conversation runs.
+    """
+    if not rate > 0:
+        raise ValueError(f"request rate must be > 0, got {rate}")
+    first = [r for r in requests if r.after is None]
+    rng = random.Random(seed)
+    per_start = rate * len(first) / max(1, len(requests))
+    t = 0.0
+    times: dict[int, float] = {}
+    for r in first:
+        t += rng.expovariate(per_start)
+        times[r.index] = t
+    return [dataclasses.replace(r, arrival_s=times.get(r.index, 0.0)) for r in requests]
 
 
 Builder = Callable[[WorkloadSpec], list[BenchRequest]]
