@@ -7,11 +7,8 @@ when that instance is *open* — its predicted backlog is within ``lead`` of its
 boundary, or it has nothing at all — so the next batch is formed from the best requests known at
 that moment, and late arrivals can overtake. A request whose best instance is busy stays, and the
 walk goes on (a short request can pass a long one). No starvation: a request that has waited one
-predicted batch cycle plus ``bound_cycles`` cycles is released at once to its best instance.
-With ``overdue_gate_cycles`` > 0 such a request is not pushed past the gate at once: it goes to
-the head of the walk (oldest first) and takes the next instance that opens, and is forced out
-only after that many cycles more — so requests that reach the bound together do not land on
-busy instances in one burst. The guarantee is then ``max_hold`` = cycle × (1 + bound + gate).
+predicted batch cycle plus ``bound_cycles`` cycles is released at once to its best instance
+(``overdue``), oldest first, whatever that instance's state: ``max_hold`` = cycle × (1 + bound).
 
 Work conservation: the prediction may be wrong, and a wrong "busy" would leave an instance
 without work while requests wait here. An optional ``starved`` test says an instance is short of
@@ -177,7 +174,6 @@ def slo_sacrifice(slo_s: float, capacity: Capacity) -> Order:
 class DeferralOptions:
     lead_fraction: float = 1.0  # release when the backlog is within this share of a cycle
     bound_cycles: float = 8.0  # after one cycle + this many: overdue
-    overdue_gate_cycles: float = 0.0  # overdue ones wait this many cycles more for an open instance
     default_cycle: float = 0.2  # seconds, until a cycle has been measured
     min_cycle: float = 1e-3
 
@@ -227,14 +223,9 @@ class DeferredQueue:
         cycles = [i.cycle_seconds(o.default_cycle) for i in instances] or [o.default_cycle]
         return max(o.min_cycle, sum(cycles) / len(cycles))
 
-    def overdue_after(self, instances: Sequence[Instance]) -> float:
-        """Waiting this long makes a request overdue: one predicted batch cycle plus the bound."""
-        return self.cycle(instances) * (1.0 + self.options.bound_cycles)
-
     def max_hold(self, instances: Sequence[Instance]) -> float:
-        """The longest any request stays: overdue, plus the wait for an open instance, if any."""
-        o = self.options
-        return self.cycle(instances) * (1.0 + o.bound_cycles + o.overdue_gate_cycles)
+        """The longest any request stays: one predicted batch cycle plus the bound (overdue)."""
+        return self.cycle(instances) * (1.0 + self.options.bound_cycles)
 
     def lead(self, instance: Instance) -> float:
         o = self.options
@@ -270,18 +261,11 @@ class DeferredQueue:
         if not self.items or not instances:
             return []
         hold = self.max_hold(instances)
-        aged = self.overdue_after(instances)
         forced: list[Waiting] = []  # past the hold bound: released at once
-        gated: list[Waiting] = []  # overdue: first in the walk, oldest first
         fresh: list[Waiting] = []
         for w in self.items.values():
-            waited = now - w.arrival
-            (forced if waited >= hold - 1e-9 else gated if waited >= aged - 1e-9
-             else fresh).append(w)
+            (forced if now - w.arrival >= hold - 1e-9 else fresh).append(w)
         forced.sort(key=lambda w: w.arrival)
-        gated.sort(key=lambda w: w.arrival)
-        aged_keys = {w.key for w in gated}
-        rest = gated + self.order(fresh, now)
         out: list[Release] = []
         for item in forced:
             found = self.best(item, instances, now)
@@ -291,13 +275,11 @@ class DeferredQueue:
         # instance and again after each release there (the walk is O(queue × instances))
         is_open = {id(i): self.gate(i, now) for i in instances}
         is_starved = {id(i): self._is_starved(i, now) for i in instances}
-        for item in rest:
+        for item in self.order(fresh, now):
             open_now = [i for i in instances if is_open[id(i)]]
             if not open_now:
                 break
-            # an overdue request takes the best instance that is open now, not its best overall
-            among_open = self.choose_among_open or item.key in aged_keys
-            found = self.best(item, open_now if among_open else instances, now)
+            found = self.best(item, open_now if self.choose_among_open else instances, now)
             reason = None if found is None else self._reason(found[0], now, is_open[id(found[0])])
             if reason is None:  # its best instance is busy: an instance short of work takes it
                 starved = [i for i in instances if is_starved[id(i)]]

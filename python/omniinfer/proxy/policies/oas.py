@@ -58,7 +58,6 @@ class OASPolicy(DeferringPolicy):
     work_conserving: ClassVar[bool] = True  # a reported-empty instance is open (one batch)
     slo_aware: ClassVar[bool] = True  # honour --oas-ttft-slo-secs when given
     queue_batches: ClassVar[float] = 2.0  # an instance is short of work below this many batches
-    overdue_gate_cycles: ClassVar[float] = 0.0  # see DeferralOptions
     slo_rule: ClassVar[str] = "first"  # "first": slo_first; "sacrifice": Moore–Hodgson
     bound_cycles: ClassVar[float | None] = None  # None: --oas-hold-bound-cycles' value (8)
     transfer = TransferModel()  # the same for every prefill instance of one decode pool
@@ -68,8 +67,7 @@ class OASPolicy(DeferringPolicy):
         options = DeferralOptions(
             lead_fraction=config.oas_lead_fraction,
             bound_cycles=(self.bound_cycles if self.bound_cycles is not None
-                          else config.oas_hold_bound_cycles),
-            overdue_gate_cycles=self.overdue_gate_cycles)
+                          else config.oas_hold_bound_cycles))
         gate = None if self.defer else (lambda inst, now: True)
         starved = self._starved if self.work_conserving else None
         order = get_order(self.order_name)
