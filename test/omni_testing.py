@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +74,14 @@ def sse_events(text: str) -> list[Any]:
             payload = line[5:].strip()
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, step: float = 0.02) -> bool:
+    """Poll ``predicate`` until it is truthy (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(step)

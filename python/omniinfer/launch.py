@@ -1,12 +1,16 @@
-"""Start and stop real SGLang servers as child processes (tests, demo, benchmarks).
+"""Child processes for the package, benchmarks and tests, and real SGLang servers among them.
 
-The CPU flags here are the ones the real engine needs on a machine without an accelerator:
-see docs/cpu.md. Each server runs in its own process group so that stopping it also stops the
-scheduler and detokenizer processes it spawned.
+``ManagedProcess`` (start, wait until ready, stop or kill) and ``free_port`` are the one process
+helper and the one port picker; routers, emulated workers and SGLang servers subclass the
+helper. The CPU flags here are the ones the real engine needs on a machine without an
+accelerator: see docs/cpu.md. Each child runs in its own process group so that stopping it also
+stops the scheduler and detokenizer processes it spawned.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -17,6 +21,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 CPU_FLAGS: tuple[str, ...] = (
     "--device", "cpu",
@@ -28,6 +33,7 @@ CPU_FLAGS: tuple[str, ...] = (
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (another process may still take it before use)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -79,23 +85,28 @@ class ServerFailed(RuntimeError):
 class ManagedProcess:
     """A child process in its own process group, ready when ``ready_path`` answers 200.
 
-    Use as a context manager; ``stop`` ends the whole group (the server and what it spawned).
+    The one helper for child processes of the package, benchmarks and tests. Output goes to
+    ``log_path`` (``log_tail`` reads it back). Readiness is a GET of ``ready_path``, or a POST
+    of ``ready_body`` as JSON when one is set (a router is ready once a request goes through).
+    Use as a context manager; ``stop`` ends the whole group (the server and what it spawned),
+    ``kill`` does it as a crash would.
     """
 
     kind = "process"
     ready_path = "/health"
+    ready_body: dict[str, Any] | None = None
     poll_s = 0.5
 
     def __init__(
         self,
         command: Sequence[str],
-        env: dict[str, str],
+        env: dict[str, str] | None,
         log_path: Path,
         port: int,
         ready_timeout_s: float = 600.0,
     ) -> None:
         self.command = list(command)
-        self.env = env
+        self.env = dict(os.environ) if env is None else env
         self.log_path = Path(log_path)
         self.port = port
         self.ready_timeout_s = ready_timeout_s
@@ -104,6 +115,9 @@ class ManagedProcess:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -131,6 +145,17 @@ class ManagedProcess:
             raise
         return self
 
+    def ready(self, timeout_s: float = 30.0) -> bool:
+        """One readiness probe: ``ready_path`` (with ``ready_body``, if any) answers 200."""
+        data = None if self.ready_body is None else json.dumps(self.ready_body).encode()
+        request = urllib.request.Request(self.base_url + self.ready_path, data=data,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
     def wait_ready(self) -> None:
         assert self.process is not None
         deadline = time.monotonic() + self.ready_timeout_s
@@ -139,12 +164,8 @@ class ManagedProcess:
                 raise ServerFailed(
                     f"{self.kind} exited with code {self.process.returncode}\n{self.log_tail()}"
                 )
-            try:
-                with urllib.request.urlopen(self.base_url + self.ready_path, timeout=30) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
+            if self.ready(timeout_s=max(min(30.0, deadline - time.monotonic()), 0.1)):
+                return
             time.sleep(self.poll_s)
         raise ServerFailed(
             f"{self.kind} not ready after {self.ready_timeout_s:.0f} s\n{self.log_tail()}"
@@ -163,6 +184,14 @@ class ManagedProcess:
             os.killpg(pgid, signal.SIGKILL)  # children that outlived their parent too
         except ProcessLookupError:
             pass
+        self.process.wait()
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once, as a crashed machine."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(os.getpgid(self.process.pid), signal.SIGKILL)
         self.process.wait()
 
     def __enter__(self) -> ManagedProcess:

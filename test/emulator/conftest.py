@@ -7,11 +7,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from emu_helpers import CAPTURE, Emulator, start_emulator
+from emu_helpers import CAPTURE, start_emulator
+
+from omniinfer.emulator.process import EmulatorProcess
 
 
 @pytest.fixture(scope="module")
-def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatorProcess]:
     emu = start_emulator(tmp_path_factory.mktemp("emu"))
     yield emu
     emu.stop()

@@ -7,7 +7,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from emu_helpers import Emulator, request, start_emulator
+from emu_helpers import request, start_emulator
 from sglang.srt.disaggregation.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -23,6 +22,7 @@ from sglang.srt.disaggregation.kv_events import (
     KVEventBatch,
 )
 
+from omniinfer.emulator.process import EmulatorProcess
 from omniinfer.launch import free_port
 
 DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
@@ -48,7 +48,7 @@ def publishing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         emu.stop()
 
 
-def _generate(emu: Emulator, ids: list[int]) -> dict[str, Any]:
+def _generate(emu: EmulatorProcess, ids: list[int]) -> dict[str, Any]:
     status, text = request(emu.url + "/generate", "POST", {
         "input_ids": ids, "sampling_params": {"max_new_tokens": 2}})
     assert status == 200, text
@@ -67,18 +67,17 @@ def _drain(sub: zmq.Socket[Any], quiet_s: float = 0.5) -> list[tuple[bytes, int,
         out.append((topic, int.from_bytes(seq, "big", signed=True), payload))
 
 
-def _sync(emu: Emulator, sub: zmq.Socket[Any]) -> int:
+def _sync(emu: EmulatorProcess, sub: zmq.Socket[Any]) -> int:
     """Send until the subscription is live (ZMQ drops what a PUB sends before it joins);
     then flush, so the cache is empty. Returns the next sequence number."""
-    for attempt in range(20):
+    for attempt in range(20):  # each attempt waits up to 0.3 s for an event (the receive timeout)
         _generate(emu, [7000 + attempt] * 3)
-        if got := _drain(sub, 0.3):
+        if _drain(sub, 0.3):
             assert request(emu.url + "/flush_cache", "POST")[0] == 200
             cleared = _drain(sub)
             assert [type(e) for e in DECODER.decode(cleared[-1][2]).events] == [AllBlocksCleared]
             return cleared[-1][1] + 1
-        time.sleep(0.1)
-    raise AssertionError(f"no KV events reached the subscriber: {got}")
+    raise AssertionError("no KV events reached the subscriber in 20 attempts")
 
 
 def test_emulator_publishes_store_evict_and_flush_as_sglang(publishing: dict[str, Any]) -> None:

@@ -76,8 +76,9 @@ def test_late_arrival_joins_running_batch() -> None:
         while len(a.output_ids) < 10:
             await a.wait_progress()
         b = engine.submit(EmuRequest(ids(50, 5000), 5))
-        while not (a.finished and b.finished):
-            await asyncio.sleep(0.001)
+        for r in (a, b):
+            while not r.finished:
+                await r.wait_progress()
         await engine.stop()
         return a, b, engine
 
@@ -144,10 +145,10 @@ def test_kv_capacity_admission_holds_requests_back() -> None:
     # pool 1000: each request needs 400 prompt + 0.5 * 100 reserved output = 450; two fit.
     async def main() -> list[EmuRequest]:
         engine = EmulatedEngine(make_profile(max_total_tokens=1000, new_token_ratio=0.5), time_scale=0)
-        engine.tree = None  # no caching: admission alone decides
+        engine.kv.tree = None  # no caching: admission alone decides
         reqs = [engine.submit(EmuRequest(ids(400, 10_000 * (i + 1)), 100)) for i in range(3)]
         await run_all(engine, reqs)
-        assert engine.used_tokens() == 0
+        assert engine.kv.used() == 0
         return reqs
 
     a, b, c = asyncio.run(main())
@@ -205,14 +206,14 @@ def test_abort_frees_memory_and_finishes() -> None:
         while len(r.output_ids) < 3:
             await r.wait_progress()
         assert engine.abort(r.rid) == 1
-        await asyncio.sleep(0.01)
         await engine.stop()
         return r, engine
 
     r, engine = asyncio.run(main())
     assert r.finish_reason is not None and r.finish_reason["type"] == "abort"
-    assert engine.private_tokens == 0 and not engine.running
-    assert engine.tree is not None and engine.tree.size().evictable == engine.tree.size().total
+    assert engine.kv.private_tokens == 0 and not engine.running
+    tree = engine.kv.tree
+    assert tree is not None and tree.size().evictable == tree.size().total
 
 
 def test_pd_pairing_by_room_and_transfer_delay() -> None:
@@ -239,7 +240,9 @@ def test_pd_pairing_by_room_and_transfer_delay() -> None:
         waited = time.monotonic() - t0
         while not d.finished:
             await d.wait_progress()
-        await asyncio.sleep(transfer + 0.05)
+        deadline = time.monotonic() + 5 + transfer
+        while prefill.held and time.monotonic() < deadline:  # released transfer_s after the pull
+            await asyncio.sleep(0.01)
         await prefill.stop()
         await decode.stop()
         return p, d, waited, prefill
@@ -248,7 +251,7 @@ def test_pd_pairing_by_room_and_transfer_delay() -> None:
     assert d.output_ids[0] == p.output_ids[0]  # the prefill's token is the decode's first
     assert len(d.output_ids) == 6
     assert waited >= transfer * 0.95
-    assert not prefill.held and prefill.private_tokens == 0  # released after the transfer
+    assert not prefill.held and prefill.kv.private_tokens == 0  # released after the transfer
 
 
 def test_wait_room_times_out() -> None:
@@ -289,3 +292,55 @@ def test_shipped_profiles_load_and_bad_profiles_are_named() -> None:
         profile_from_dict({"model": {"model_path": "m"}, "cost": {"speed": 1}}, "x.yaml")
     with pytest.raises(ProfileError, match="no profile named"):
         load_profile("no-such-profile")
+
+
+def test_abort_follows_sglangs_prefix_rule() -> None:
+    """A known rid aborts every request whose rid starts with it; an unknown one aborts none."""
+    async def main() -> dict[str, EmuRequest]:
+        engine = EmulatedEngine(make_profile(), time_scale=0)
+        reqs = {rid: engine.submit(EmuRequest(ids(10, 100 * i), 5, rid=rid))
+                for i, rid in enumerate(("a", "ab", "b", "xy"), start=1)}
+        assert engine.abort("x") == 0  # not a request here, although "xy" starts with it
+        assert engine.abort("") == 0
+        assert engine.abort("a") == 2
+        return reqs
+
+    reqs = asyncio.run(main())
+    assert [r.finish_reason["type"] if r.finish_reason else None for r in reqs.values()] == [
+        "abort", "abort", None, None]
+
+
+def test_hang_fault_parks_or_stalls_until_aborted() -> None:
+    async def main() -> tuple[EmuRequest, EmuRequest, EmulatedEngine, list[int]]:
+        engine = EmulatedEngine(make_profile(), time_scale=0)
+        parked = engine.submit(EmuRequest(ids(50), 10, stall_after_tokens=0))
+        stalled = engine.submit(EmuRequest(ids(50, 5000), 10, stall_after_tokens=3))
+        free = engine.submit(EmuRequest(ids(50, 9000), 10))
+        engine.start()
+        while not free.finished:
+            await free.wait_progress()
+        seen = [len(parked.output_ids), len(stalled.output_ids), engine.num_running(),
+                engine.num_waiting(), engine.kv.private_tokens]
+        engine.abort(parked.rid)
+        engine.abort(stalled.rid)
+        await engine.stop()
+        return parked, stalled, engine, seen
+
+    parked, stalled, engine, seen = asyncio.run(main())
+    assert seen[:4] == [0, 3, 1, 1]  # the stalled one still runs, the parked one still waits
+    assert seen[4] == 2  # the stalled one keeps its KV: a slot per decoded token (2 and 3)
+    assert parked.finish_reason["type"] == stalled.finish_reason["type"] == "abort"
+    assert engine.kv.private_tokens == 0 and not engine.stalled and not engine.parked
+
+
+def test_a_decode_request_waiting_for_its_prefill_can_be_aborted() -> None:
+    async def main() -> tuple[EmuRequest, EmulatedEngine]:
+        engine = EmulatedEngine(make_profile(), mode="decode", time_scale=0)
+        request = engine.begin_bootstrap(EmuRequest(ids(20), 4, rid="waiting"))
+        assert len(engine.bootstrapping) == 1 and not engine.flush_cache()
+        assert engine.abort("waiting") == 1
+        return request, engine
+
+    request, engine = asyncio.run(main())
+    assert request.finish_reason["type"] == "abort" and not engine.bootstrapping
+    assert engine.flush_cache()

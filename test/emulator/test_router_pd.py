@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
-from emu_helpers import Emulator, request, sse_events, start_emulator, wait_http
+from emu_helpers import request, sse_events, start_emulator
 
-from omniinfer.launch import free_port
+from omniinfer.emulator.process import EmulatorProcess
+from omniinfer.launch_pd import sglang_router
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("sglang_router") is None, reason="sglang-router is not installed"
@@ -23,38 +20,14 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def pd_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("pd")
-    workers: list[Emulator] = []
-    router = None
+    workers: list[EmulatorProcess] = []
     try:
-        prefills = [start_emulator(tmp, "--disaggregation-mode", "prefill") for _ in range(2)]
-        decode = start_emulator(tmp, "--disaggregation-mode", "decode")
-        workers = [*prefills, decode]
-        port = free_port()
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-               "--host", "127.0.0.1", "--port", str(port),
-               "--prefill-policy", "cache_aware", "--decode-policy", "round_robin", "--log-level", "warn"]
-        for p in prefills:
-            cmd += ["--prefill", p.url, str(p.bootstrap_port)]
-        cmd += ["--decode", decode.url]
-        log = tmp / "router.log"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        router = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                                  start_new_session=True, env=env)
-        wait_http(f"http://127.0.0.1:{port}/health", router, log, timeout=90)
-        # the router activates workers in the background: wait until a request goes through
-        for _ in range(100):
-            status, _ = request(f"http://127.0.0.1:{port}/generate", "POST",
-                                {"text": "warm up", "sampling_params": {"max_new_tokens": 1}})
-            if status == 200:
-                break
-            import time
-
-            time.sleep(0.3)
-        yield f"http://127.0.0.1:{port}"
+        workers += [start_emulator(tmp, mode="prefill") for _ in range(2)]
+        workers.append(start_emulator(tmp, mode="decode"))
+        # ready once a request went through: it activates its workers in the background
+        with sglang_router(workers, tmp / "router.log", "cache_aware", "round_robin") as router:  # type: ignore[arg-type]
+            yield router.base_url
     finally:
-        if router is not None and router.poll() is None:
-            os.killpg(router.pid, signal.SIGTERM)
-            router.wait(timeout=20)
         for w in workers:
             w.stop()
 

@@ -8,7 +8,11 @@ import time
 from typing import Any
 
 import pytest
-from emu_helpers import Emulator, request, sse_events, start_emulator
+from emu_helpers import request, sse_events, start_emulator, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+from omniinfer.emulator.process import EmulatorProcess
+from omniinfer.emulator.profile import load_profile
 
 GEN = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -19,7 +23,7 @@ def keys(obj: Any) -> set[str]:
     return set(obj) if isinstance(obj, dict) else set()
 
 
-def test_generate_matches_real_shape(emulator: Emulator, capture: dict[str, Any]) -> None:
+def test_generate_matches_real_shape(emulator: EmulatorProcess, capture: dict[str, Any]) -> None:
     status, text = request(f"{emulator.url}/generate", "POST", GEN)
     assert status == 200
     got, real = json.loads(text), capture["generate"]["json"]
@@ -29,7 +33,7 @@ def test_generate_matches_real_shape(emulator: Emulator, capture: dict[str, Any]
     assert got["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
 
 
-def test_generate_stream_matches_real_shape(emulator: Emulator, capture: dict[str, Any]) -> None:
+def test_generate_stream_matches_real_shape(emulator: EmulatorProcess, capture: dict[str, Any]) -> None:
     status, text = request(f"{emulator.url}/generate", "POST", {**GEN, "stream": True})
     assert status == 200
     events, real = sse_events(text), capture["generate_stream"]["events"]
@@ -41,7 +45,7 @@ def test_generate_stream_matches_real_shape(emulator: Emulator, capture: dict[st
     assert chunks[-1]["text"].startswith(chunks[0]["text"])  # cumulative, as SGLang streams
 
 
-def test_generate_batch_and_input_ids(emulator: Emulator, capture: dict[str, Any]) -> None:
+def test_generate_batch_and_input_ids(emulator: EmulatorProcess, capture: dict[str, Any]) -> None:
     status, text = request(f"{emulator.url}/generate", "POST", {**GEN, "text": ["a b", "c d"]})
     assert status == 200 and isinstance(json.loads(text), list) and len(json.loads(text)) == 2
     status, text = request(f"{emulator.url}/generate", "POST",
@@ -53,7 +57,7 @@ def test_generate_batch_and_input_ids(emulator: Emulator, capture: dict[str, Any
     ("completions", "/v1/completions", COMP),
     ("chat", "/v1/chat/completions", CHAT),
 ])
-def test_openai_matches_real_shape(emulator: Emulator, capture: dict[str, Any], name: str, path: str,
+def test_openai_matches_real_shape(emulator: EmulatorProcess, capture: dict[str, Any], name: str, path: str,
                                    body: dict[str, Any]) -> None:
     status, text = request(emulator.url + path, "POST", body)
     got, real = json.loads(text), capture[name]["json"]
@@ -70,7 +74,7 @@ def test_openai_matches_real_shape(emulator: Emulator, capture: dict[str, Any], 
     ("chat_stream_usage", "/v1/chat/completions",
      {**CHAT, "stream": True, "stream_options": {"include_usage": True}}),
 ])
-def test_openai_stream_matches_real_shape(emulator: Emulator, capture: dict[str, Any], name: str, path: str,
+def test_openai_stream_matches_real_shape(emulator: EmulatorProcess, capture: dict[str, Any], name: str, path: str,
                                           body: dict[str, Any]) -> None:
     status, text = request(emulator.url + path, "POST", body)
     assert status == 200
@@ -90,7 +94,7 @@ def test_openai_stream_matches_real_shape(emulator: Emulator, capture: dict[str,
     assert len(content_chunks) == 4  # the emulator at this pace: one chunk per token
 
 
-def test_status_endpoints_match_real_shape(emulator: Emulator, capture: dict[str, Any]) -> None:
+def test_status_endpoints_match_real_shape(emulator: EmulatorProcess, capture: dict[str, Any]) -> None:
     for path in ("/health", "/health_generate"):
         assert request(emulator.url + path) == (200, "")
     status, text = request(emulator.url + "/model_info")
@@ -111,19 +115,26 @@ def test_status_endpoints_match_real_shape(emulator: Emulator, capture: dict[str
     assert status == 200 and "memory" not in json.loads(text)["loads"][0]
 
 
-def test_metrics_use_sglang_names(emulator: Emulator, capture: dict[str, Any]) -> None:
+def test_metrics_use_sglang_names(emulator: EmulatorProcess, capture: dict[str, Any]) -> None:
+    request(emulator.url + "/generate", "POST", {**GEN, "stream": True})
     status, text = request(emulator.url + "/metrics")
     assert status == 200
-    names = {line.split("{")[0] for line in text.splitlines() if line.startswith("sglang:")}
+    families = list(text_string_to_metric_families(text))
+    assert all(f.documentation for f in families)  # a HELP line for every series
+    names = {s.name for f in families for s in f.samples}
     for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage",
                  "sglang:cache_hit_rate", "sglang:gen_throughput", "sglang:prompt_tokens_total",
                  "sglang:generation_tokens_total", "sglang:time_to_first_token_seconds_bucket",
-                 "sglang:inter_token_latency_seconds_count", "sglang:e2e_request_latency_seconds_sum"):
+                 "sglang:inter_token_latency_seconds_count", "sglang:e2e_request_latency_seconds_sum",
+                 "sglang:http_requests_total"):
         assert name in names
     assert names <= set(capture["metrics_names"])  # nothing the real server does not export
+    streamed = [s for f in families for s in f.samples
+                if s.name == "sglang:generation_tokens_total" and s.labels["is_streaming"] == "true"]
+    assert streamed and streamed[0].value >= 4 and streamed[0].labels["engine_type"] == "unified"
 
 
-def test_flush_cache_and_abort(emulator: Emulator, capture: dict[str, Any]) -> None:
+def test_flush_cache_and_abort(emulator: EmulatorProcess, capture: dict[str, Any]) -> None:
     status, text = request(emulator.url + "/flush_cache", "POST")
     assert status == 200 and text == capture["flush_cache"]["text"]
     assert request(emulator.url + "/abort_request", "POST", {"rid": "nope"}) == (200, "")
@@ -136,14 +147,14 @@ def test_flush_cache_and_abort(emulator: Emulator, capture: dict[str, Any]) -> N
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    time.sleep(0.5)
+    assert wait_until(lambda: emulator.load()["num_running_reqs"] == 1)  # it runs: abort it
     assert request(emulator.url + "/abort_request", "POST", {"rid": "to-abort"})[0] == 200
     thread.join(timeout=20)
     status, text = result["response"]
     assert status == 200 and json.loads(text)["meta_info"]["finish_reason"]["type"] == "abort"
 
 
-def test_prefix_cache_reported(emulator: Emulator) -> None:
+def test_prefix_cache_reported(emulator: EmulatorProcess) -> None:
     prompt = "shared prefix " * 50
     request(emulator.url + "/generate", "POST", {"text": prompt + "one", "sampling_params": {"max_new_tokens": 1}})
     _, text = request(emulator.url + "/generate", "POST",
@@ -178,7 +189,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("path,raw", BAD)
-def test_bad_input_gets_clear_4xx(emulator: Emulator, path: str, raw: bytes) -> None:
+def test_bad_input_gets_clear_4xx(emulator: EmulatorProcess, path: str, raw: bytes) -> None:
     status, text = request(emulator.url + path, "POST", raw=raw)
     assert 400 <= status < 500, text
     body = json.loads(text)
@@ -188,13 +199,13 @@ def test_bad_input_gets_clear_4xx(emulator: Emulator, path: str, raw: bytes) -> 
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/generate"])
-def test_wrong_content_type_is_rejected(emulator: Emulator, path: str) -> None:
+def test_wrong_content_type_is_rejected(emulator: EmulatorProcess, path: str) -> None:
     status, text = request(emulator.url + path, "POST", raw=json.dumps(CHAT).encode(),
                            content_type="application/x-www-form-urlencoded")
     assert status == 400 and "application/json" in text
 
 
-def test_real_bad_input_shapes_are_mirrored(emulator: Emulator, capture: dict[str, Any]) -> None:
+def test_real_bad_input_shapes_are_mirrored(emulator: EmulatorProcess, capture: dict[str, Any]) -> None:
     for name, path, raw in (("bad_generate_json", "/generate", b"{not json"),
                             ("bad_chat_type", "/v1/chat/completions", json.dumps({"model": "m", "messages": "hi"}).encode()),
                             ("bad_generate_empty", "/generate", b"{}")):
@@ -204,43 +215,43 @@ def test_real_bad_input_shapes_are_mirrored(emulator: Emulator, capture: dict[st
 
 
 def test_pd_pair_across_processes_with_transfer_delay(tmp_path) -> None:
-    # ascend-r1 profiles: 40 GB/s and 70,272 B per token; 2 ms latency. Real time (scale 1).
-    prefill = start_emulator(tmp_path, "--disaggregation-mode", "prefill", profile="ascend-r1-prefill",
-                             time_scale="1")
-    decode = start_emulator(tmp_path, "--disaggregation-mode", "decode", profile="ascend-r1-decode",
-                            time_scale="1")
+    """The decode's first token comes the modelled transfer time after the prefill finished."""
+    prefill = start_emulator(tmp_path, mode="prefill", profile="ascend-r1-prefill", time_scale=1)
+    decode = start_emulator(tmp_path, mode="decode", profile="ascend-r1-decode", time_scale=1)
     try:
         body = {"input_ids": list(range(1000, 1000 + 50_000)), "sampling_params": {"max_new_tokens": 3},
                 "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": 77}
         out: dict[str, Any] = {}
-        t0 = time.monotonic()
         thread = threading.Thread(target=lambda: out.update(d=request(decode.url + "/generate", "POST", body)))
         thread.start()  # decode first: it must wait for the prefill of room 77
-        time.sleep(0.3)
+        assert wait_until(lambda: decode.load()["disaggregation"]["decode_prealloc_queue_reqs"] == 1)
         status_p, text_p = request(prefill.url + "/generate", "POST", body)
         thread.join(timeout=30)
-        elapsed = time.monotonic() - t0
         status_d, text_d = out["d"]
         assert status_p == 200 and status_d == 200, (text_p, text_d)
         p, d = json.loads(text_p), json.loads(text_d)
         assert p["meta_info"]["completion_tokens"] == 1
         assert d["meta_info"]["completion_tokens"] == 3
         assert d["output_ids"][0] == p["output_ids"][0]
-        transfer = 0.002 + 50_000 * 70272 / 40e9  # 90 ms
-        assert elapsed >= 0.3 + transfer
+        transfer = load_profile("ascend-r1-prefill").cost_model().transfer_time(50_000)
+        assert transfer == pytest.approx(0.002 + 50_000 * 70272 / 40e9)  # 90 ms
+        # both clocks are this machine's wall clock
+        gap = d["meta_info"]["prefill_finished_time"] - p["meta_info"]["request_finished_ts"]
+        assert transfer - 0.005 <= gap <= transfer + 1.0, gap
+        assert decode.load()["disaggregation"]["decode_prealloc_queue_reqs"] == 0
     finally:
         prefill.stop()
         decode.stop()
 
 
-def _prefill_busy_us(emulator: Emulator) -> int:
+def _prefill_busy_us(emulator: EmulatorProcess) -> int:
     _, text = request(emulator.url + "/v1/loads", "GET")
     loads = json.loads(text)
     rows = loads.get("loads", [loads]) if isinstance(loads, dict) else loads
     return sum(int(r["total_prefill_busy_us"]) for r in rows)
 
 
-def test_prefill_busy_time_is_reported_in_wall_time(emulator: Emulator) -> None:
+def test_prefill_busy_time_is_reported_in_wall_time(emulator: EmulatorProcess) -> None:
     """With --time-scale the router sees busy time on its own clock, as from a real worker."""
     before = _prefill_busy_us(emulator)
     began = time.perf_counter()

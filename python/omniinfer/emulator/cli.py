@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import sys
 
+from omniinfer.emulator.faults import FaultError, Faults
 from omniinfer.emulator.profile import ProfileError, load_profile, shipped_profiles
 from omniinfer.kv_events import parse_kv_events_config
 
@@ -42,7 +43,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="publish the radix cache's KV events over ZMQ as SGLang does, e.g. "
                    '\'{"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": ""}\'')
+    p.add_argument("--request-log-size", type=int, default=1000, metavar="N",
+                   help="generation requests and aborts kept for GET /emulator/requests (0: none)")
+    f = p.add_argument_group("faults", "switched at run time with POST /emulator/faults (JSON of "
+                             "the same names without --fault-); DELETE /emulator/faults turns all off")
+    f.add_argument("--fault-fail-status", type=int, default=0, metavar="STATUS",
+                   help="answer every generation request with this HTTP status (0: off)")
+    f.add_argument("--fault-hang-after-tokens", type=int, default=-1, metavar="N",
+                   help="requests stop making progress after N output tokens (0: never answered) "
+                   "until aborted or their client leaves (-1: off)")
+    f.add_argument("--fault-disconnect-after-tokens", type=int, default=-1, metavar="N",
+                   help="close a request's connection once it has N output tokens (-1: off)")
+    f.add_argument("--fault-exit-after-tokens", type=int, default=-1, metavar="N",
+                   help="exit the process, as a crash, once a request has N output tokens (-1: off)")
+    f.add_argument("--fault-first-byte-delay-s", type=float, default=0.0, metavar="S",
+                   help="hold each answer's first byte back S seconds; the work is not delayed")
     p.set_defaults(func=run)
+
+
+def faults_from_args(args: argparse.Namespace) -> Faults:
+    """The ``--fault-*`` flags as fault switches; FaultError names a bad one."""
+    faults = Faults()
+    for name in faults.as_dict():
+        try:
+            faults.update({name: getattr(args, f"fault_{name}")})
+        except FaultError as exc:
+            raise FaultError(f"--fault-{name.replace('_', '-')}: {exc}") from None
+    return faults
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,13 +89,21 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"error: --kv-events-config: {exc}", file=sys.stderr)
             return 2
+    if args.request_log_size < 0:
+        print("error: --request-log-size must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        faults = faults_from_args(args)
+    except FaultError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     from omniinfer.emulator.server import WorkerServer, serve_forever
 
     server = WorkerServer(
         profile, args.port, host=args.host, mode=args.disaggregation_mode,
         bootstrap_port=args.disaggregation_bootstrap_port, time_scale=args.time_scale,
         incremental_streaming_output=args.incremental_streaming_output,
-        kv_events_config=args.kv_events_config,
+        kv_events_config=args.kv_events_config, faults=faults, request_log_size=args.request_log_size,
     )
     try:
         import uvloop

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any
 
-from omniinfer.emulator.engine import EmuRequest
+from omniinfer.emulator.request import EmuRequest
 from omniinfer.emulator.tokenizer import EmulatedTokenizer
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default
