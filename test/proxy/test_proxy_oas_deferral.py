@@ -242,6 +242,18 @@ def test_no_request_is_held_longer_than_one_cycle_plus_the_bound(seed: int) -> N
     assert max(h for _, h in held) <= bound + 1e-9
 
 
+def test_a_gate_that_is_always_open_releases_at_once_to_the_best_instance() -> None:
+    """``oas_no_defer``: the gate alone decides, so a request goes to its best instance at
+    once, although the prediction says that instance is busy and it is not short of work."""
+    busy, busier = FakeInstance("busy", backlog=5.0), FakeInstance("busier", backlog=9.0)
+    q = DeferredQueue(get_order("short_old_first"), ttft, gate=lambda i, now: True)
+    q.push(item("a", 0.1, 0.0))
+    assert [(r.instance.key, r.reason) for r in q.pump(0.0, [busy, busier])] == [("busy", "open")]
+    held = DeferredQueue(get_order("short_old_first"), ttft)  # the just-in-time rule holds it
+    held.push(item("a", 0.1, 0.0))
+    assert held.pump(0.0, [busy, busier]) == []
+
+
 def test_gate_among_open_only_skips_overloaded_instances() -> None:
     full, free = FakeInstance("full", backlog=9.0), FakeInstance("free", backlog=5.0)
     q = DeferredQueue(get_order("upstream_weights"), lambda w, i, now: (-1 if i is full else 0),

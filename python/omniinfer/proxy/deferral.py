@@ -300,9 +300,11 @@ class DeferredQueue:
             return "idle" if inst.is_idle() else "open"
         if inst.is_idle():
             return "idle"
-        if self.is_due(inst, now) and is_open:
-            return "open"
-        return "starved" if self._is_starved(inst, now) else None
+        if not is_open:
+            return None
+        # the gate decides; the reason says whether the prediction or the starvation opened it
+        due = self.is_due(inst, now)
+        return "starved" if not due and self._is_starved(inst, now) else "open"
 
     def _release(self, item: Waiting, inst: Instance, reason: str, estimate: Any,
                   on_release: Callable[[Release], None] | None) -> Release:
