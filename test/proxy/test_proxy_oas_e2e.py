@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,58 +12,32 @@ from typing import Any
 import pytest
 from proxy_helpers import get, post, wait_until
 
-from omniinfer.launch import free_port
+from omniinfer.emulator.process import EmulatorProcess
 from omniinfer.proxy.process import RouterProcess
 
 BATCH_TOKENS = 1024  # --oas-batch-tokens: an instance is short of work below two of these
 BIG_PROMPT = 7000  # uncached tokens of one deferral-test prompt (the profile's context is 8192)
 
 
-def _emulator(log: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "omniinfer", "emulate-worker", "--profile", "h100-llama3-8b",
-           "--time-scale", "1.0", "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    return proc, f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture(scope="module")
 def oas_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("oas")
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        prefills = []
-        for i in range(2):
-            boot = free_port()
-            proc, url = _emulator(tmp / f"p{i}.log", "--disaggregation-mode", "prefill",
-                                  "--disaggregation-bootstrap-port", str(boot))
-            procs.append(proc)
-            prefills.append((url, boot))
-        proc, decode = _emulator(tmp / "d.log", "--disaggregation-mode", "decode")
-        procs.append(proc)
-        for url in [u for u, _ in prefills] + [decode]:
-            assert wait_until(lambda url=url: _up(url), timeout=60), url
+    with contextlib.ExitStack() as stack:
+        workers = []
+        for i, mode in enumerate(("prefill", "prefill", "decode")):
+            worker = EmulatorProcess(mode, profile="h100-llama3-8b", time_scale=1.0,
+                                     log_path=tmp / f"{mode}{i}.log")
+            stack.callback(worker.stop)
+            workers.append(worker.launch())  # all three start at once
+        for worker in workers:
+            worker.wait_ready()
         args = ["--pd-disaggregation", "--prefill-policy", "oas", "--decode-policy", "oas",
                 "--access-log", str(tmp / "access.jsonl"), "--loads-poll-interval-secs", "0.2",
                 "--oas-batch-tokens", str(BATCH_TOKENS)]
-        for url, boot in prefills:
-            args += ["--prefill", url, str(boot)]
-        args += ["--decode", decode]
-        with RouterProcess(args, tmp / "router.log") as router:
-            yield {"router": router, "access": tmp / "access.jsonl"}
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=10)
-
-
-def _up(url: str) -> bool:
-    try:
-        return get(url + "/health", timeout=2)[0] == 200
-    except OSError:
-        return False
+        for worker in workers:
+            args += worker.router_args()
+        router = stack.enter_context(RouterProcess(args, tmp / "router.log"))
+        yield {"router": router, "access": tmp / "access.jsonl"}
 
 
 def _prefill_state(router: RouterProcess) -> dict[str, Any]:
