@@ -1,6 +1,6 @@
-"""Faults in regular mode with emulated workers (EmulatedPDWorker in regular role): a worker
-killed mid-stream, 5xx retries, health ejection and re-admission, an overload burst, and a
-property-based fuzz of the HTTP API."""
+"""Faults in regular mode with emulated workers (``omniinfer emulate-worker`` with its fault
+switches): a worker that crashes mid-stream, 5xx retries, health ejection and re-admission, an
+overload burst, and a property-based fuzz of the HTTP API."""
 
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from proxy_helpers import EmulatedWorkerProcess, get, post, sse_events, wait_until
+from proxy_helpers import get, post, sse_events, wait_until
 
+from omniinfer.emulator.process import EmulatorProcess
 from omniinfer.proxy.process import RouterProcess
 from omniinfer.proxy.workers import normalize_url
 
@@ -23,94 +25,118 @@ FAST_HEALTH = ["--health-check-interval-secs", "0.2", "--health-failure-threshol
                "--cb-failure-threshold", "2", "--cb-timeout-duration-secs", "30"]
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, text: str, n: int) -> list:
+def _counters_at_zero(router: RouterProcess) -> bool:
+    info = get(router.base_url + "/list_workers")[1]
+    busy = [(w["inflight_requests"], w["inflight_tokens"]) for w in info["workers"]]
+    return all(b == (0, 0) for b in busy) and info["admission"]["active"] == 0 \
+        and info["admission"]["queued"] == 0
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, rid: str, n: int) -> list[Any]:
     async with session.post(url + "/generate", json={
-            "text": text, "stream": True, "sampling_params": {"max_new_tokens": n}}) as resp:
+            "text": f"stream {rid}", "rid": rid, "stream": True,
+            "sampling_params": {"max_new_tokens": n}}) as resp:
         assert resp.status == 200
         return sse_events((await resp.read()).decode())
 
 
-def test_worker_killed_mid_stream_errors_only_its_clients(tmp_path: Path) -> None:
+def test_worker_crashing_mid_stream_errors_only_its_clients(tmp_path: Path) -> None:
     log = tmp_path / "access.jsonl"
-    with EmulatedWorkerProcess(token_delay=0.03) as a, \
-            EmulatedWorkerProcess(token_delay=0.03) as b, \
+    with EmulatorProcess(time_scale=0.05, log_path=tmp_path / "a.log") as a, \
+            EmulatorProcess(time_scale=0.05, log_path=tmp_path / "b.log") as b, \
             RouterProcess(["--worker-urls", a.url, b.url, "--policy", "round_robin",
                            "--access-log", str(log), *FAST_HEALTH], tmp_path / "r.log") as router:
-        a.configure(die_after_tokens=5)
+        a.set_faults(exit_after_tokens=5)  # the process dies once a stream has sent 5 tokens
 
-        async def run() -> list[list]:
+        async def run() -> dict[str, list[Any]]:
             async with aiohttp.ClientSession() as session:
-                first = await asyncio.gather(*(_stream(session, router.base_url, f"s{i}", 20)
-                                               for i in range(8)))
-                after = await asyncio.gather(*(_stream(session, router.base_url, f"t{i}", 5)
-                                               for i in range(8)))
-                return [*first, *after]
+                first = [f"s{i}" for i in range(8)]
+                got = await asyncio.gather(*(_stream(session, router.base_url, r, 20) for r in first))
+                after = [f"t{i}" for i in range(8)]
+                got += await asyncio.gather(*(_stream(session, router.base_url, r, 5) for r in after))
+                return dict(zip(first + after, got, strict=True))
 
         results = asyncio.run(run())
-    errored = [ev for ev in results if any(isinstance(e, dict) and "error" in e for e in ev)]
-    clean = [ev for ev in results if ev not in errored]
-    assert 1 <= len(errored) <= 4  # round robin put half of the first 8 on the dying worker
-    for events in errored:
-        errors = [e for e in events if isinstance(e, dict) and "error" in e]
-        assert len(errors) == 1 and events[-1] == "[DONE]"
-        assert "mid-stream" in errors[0]["error"]["message"]
-    for events in clean:  # everybody else got the whole answer
-        assert events[-1] == "[DONE]" and events[-2]["meta_info"]["finish_reason"] is not None
-    assert len(clean) == 16 - len(errored)
-    records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert sum(1 for r in records if "error" in r) == len(errored)
+        assert a.process is not None and a.process.wait(timeout=10) != 0  # it did crash
+        assert wait_until(lambda: _counters_at_zero(router), 10)
+    records = {r["client_rid"]: r for r in map(json.loads, log.read_text().splitlines())}
+    on_a = {rid for rid, r in records.items()
+            if normalize_url(a.url) in [d["worker"] for d in r["decisions"]]}
+    assert {f"s{i}" for i in range(0, 8, 2)} <= on_a  # round robin: every other first request
+    errored = {rid for rid, events in results.items()
+               if any(isinstance(e, dict) and "error" in e for e in events)}
+    assert errored and errored <= {f"s{i}" for i in range(0, 8, 2)}  # only streams a had begun
+    for rid, events in results.items():
+        assert events[-1] == "[DONE]", rid
+        tokens = [e["meta_info"]["completion_tokens"] for e in events[:-1] if "meta_info" in e]
+        if rid in errored:  # some tokens, then one error event saying the output is incomplete
+            error = events[-2]["error"]
+            assert "mid-stream" in error["message"] and "incomplete" in error["message"]
+            assert error["code"] == 502 and 1 <= tokens[-1] < 20
+            assert "error" in records[rid]
+        else:  # everybody else got the whole answer, also those a had not begun (retried on b)
+            assert tokens[-1] == (20 if rid.startswith("s") else 5), rid
+            assert events[-2]["meta_info"]["finish_reason"]["type"] == "length"
+            assert "error" not in records[rid], rid
 
 
 def test_5xx_is_retried_and_breaker_opens(tmp_path: Path) -> None:
-    with EmulatedWorkerProcess() as a, EmulatedWorkerProcess() as b, \
+    with EmulatorProcess(log_path=tmp_path / "a.log") as a, \
+            EmulatorProcess(log_path=tmp_path / "b.log") as b, \
             RouterProcess(["--worker-urls", a.url, b.url, "--policy", "round_robin",
                            *FAST_HEALTH], tmp_path / "r.log") as router:
-        a.configure(fail_status=503)
+        a.set_faults(fail_status=503)
         for i in range(8):
             status, answer, _ = post(router.base_url + "/generate",
                                      {"text": f"x{i}", "stream": i % 2 == 1,
                                       "sampling_params": {"max_new_tokens": 2}})
             assert status == 200, answer
+            final = sse_events(answer)[-2] if i % 2 else answer
+            assert final["meta_info"]["completion_tokens"] == 2  # a whole answer, from b
         workers = {w["url"]: w for w in get(router.base_url + "/list_workers")[1]["workers"]}
         assert workers[normalize_url(a.url)]["circuit"] == "open"
-        assert len(a.log()["requests"]) == 2  # after two failures nothing more was sent to it
+        assert len(a.received()["requests"]) == 2  # after two failures nothing more was sent to it
+        assert len(b.received()["requests"]) == 8  # its own six and the two retries
         status, metrics = get(router.base_url + "/metrics")
         assert 'omniproxy_retries_total{cause="status",role="regular"} 2.0' in metrics
+        assert wait_until(lambda: _counters_at_zero(router), 10)
 
 
 def test_health_ejects_and_readmits(tmp_path: Path) -> None:
-    with EmulatedWorkerProcess() as a, EmulatedWorkerProcess() as b, \
+    with EmulatorProcess(log_path=tmp_path / "a.log") as a, \
+            EmulatorProcess(log_path=tmp_path / "b.log") as b, \
             RouterProcess(["--worker-urls", a.url, b.url, *FAST_HEALTH],
                           tmp_path / "r.log") as router:
-        def healthy() -> dict:
+        def healthy() -> dict[str, bool]:
             return {w["url"]: w["healthy"] for w in
                     get(router.base_url + "/list_workers")[1]["workers"]}
 
-        port = a.port
         a.kill()
         assert wait_until(lambda: not healthy()[normalize_url(a.url)], timeout=5)
         for i in range(6):  # nobody notices
-            assert post(router.base_url + "/generate", {"text": f"y{i}"})[0] == 200
-        with EmulatedWorkerProcess(port=port):
+            status, answer, _ = post(router.base_url + "/generate",
+                                     {"text": f"y{i}", "sampling_params": {"max_new_tokens": 2}})
+            assert status == 200 and answer["meta_info"]["completion_tokens"] == 2
+        with EmulatorProcess(port=a.port, log_path=tmp_path / "a2.log"):
             assert wait_until(lambda: healthy()[normalize_url(a.url)], timeout=5)
         b.kill()
         assert wait_until(lambda: get(router.base_url + "/health")[0] == 503, timeout=5)
         status, answer, headers = post(router.base_url + "/generate", {"text": "nobody"})
         assert status in (502, 503) and "error" in answer
+        assert wait_until(lambda: _counters_at_zero(router), 10)
 
 
 def test_overload_burst_every_request_answered_or_503(tmp_path: Path) -> None:
-    with EmulatedWorkerProcess(token_delay=0.05) as a, \
+    with EmulatorProcess(time_scale=0.25, log_path=tmp_path / "a.log") as a, \
             RouterProcess(["--worker-urls", a.url, "--max-concurrent-requests", "4",
                            "--queue-size", "4", "--queue-timeout-secs", "1"],
                           tmp_path / "r.log") as router:
-        async def burst() -> list[tuple[int, str | None]]:
-            async def one(session: aiohttp.ClientSession, i: int) -> tuple[int, str | None]:
+        async def burst() -> list[tuple[int, str | None, bytes]]:
+            async def one(session: aiohttp.ClientSession, i: int) -> tuple[int, str | None, bytes]:
                 async with session.post(router.base_url + "/generate", json={
                         "text": f"burst {i}", "stream": i % 2 == 0,
                         "sampling_params": {"max_new_tokens": 8}}) as resp:
-                    await resp.read()
-                    return resp.status, resp.headers.get("Retry-After")
+                    return resp.status, resp.headers.get("Retry-After"), await resp.read()
 
             timeout = aiohttp.ClientTimeout(total=30)
             async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -118,19 +144,23 @@ def test_overload_burst_every_request_answered_or_503(tmp_path: Path) -> None:
 
         results = asyncio.run(burst())
         assert len(results) == 80
-        statuses = [s for s, _ in results]
+        statuses = [s for s, _, _ in results]
         assert set(statuses) <= {200, 503}
         assert statuses.count(200) >= 8 and statuses.count(503) >= 1
-        assert all(r is not None and int(r) >= 1 for s, r in results if s == 503)
+        assert all(r is not None and int(r) >= 1 for s, r, _ in results if s == 503)
+        for status, _, body in results:  # the admitted ones got their whole answer
+            if status == 200:
+                text = body.decode()
+                final = sse_events(text)[-2] if text.startswith("data:") else json.loads(text)
+                assert final["meta_info"]["completion_tokens"] == 8
         assert get(router.base_url + "/health")[0] == 200
-        info = get(router.base_url + "/list_workers")[1]
-        assert info["admission"]["active"] == 0 and info["admission"]["queued"] == 0
+        assert wait_until(lambda: _counters_at_zero(router), 10)
 
 
 @pytest.fixture(scope="module")
 def fuzz_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     tmp = tmp_path_factory.mktemp("fuzz")
-    with EmulatedWorkerProcess(token_delay=0.0) as a, \
+    with EmulatorProcess(time_scale=0, log_path=tmp / "a.log") as a, \
             RouterProcess(["--worker-urls", a.url, "--max-payload-size", "1000000"],
                           tmp / "r.log") as router:
         yield router

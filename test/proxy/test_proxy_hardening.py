@@ -13,8 +13,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from proxy_helpers import EmulatedWorkerProcess, get, post, sse_events, wait_until
+from proxy_helpers import get, post, sse_events, wait_until
 
+from omniinfer.emulator.process import EmulatorProcess
 from omniinfer.proxy.process import RouterProcess
 
 FAST = ["--health-check-interval-secs", "0.2", "--retry-initial-backoff-ms", "1",
@@ -43,7 +44,7 @@ def _authorized(url: str, key: str | None, body: Any = None, path: str = "/gener
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("hard")
-    with EmulatedWorkerProcess(token_delay=0.01) as a, EmulatedWorkerProcess(token_delay=0.01) as b:
+    with EmulatorProcess(time_scale=0.05) as a, EmulatorProcess(time_scale=0.05) as b:
         yield {"a": a, "b": b, "tmp": tmp}
 
 
@@ -51,7 +52,7 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 def _reset(two: dict[str, Any]) -> Iterator[None]:
     yield
     for w in (two["a"], two["b"]):
-        w.configure(hang=False, hang_after_tokens=-1, fail_status=0, token_delay=0.01)
+        w.clear_faults()
 
 
 def test_api_key_required_of_clients_and_sent_to_workers(two: dict[str, Any]) -> None:
@@ -63,7 +64,7 @@ def test_api_key_required_of_clients_and_sent_to_workers(two: dict[str, Any]) ->
         assert status == 401 and answer["error"]["code"] == 401
         status, answer = _authorized(router.base_url, "sk-1", {"text": "key"})
         assert status == 200, answer
-        seen = [r for r in a.log()["requests"] if r["body"].get("text") == "key"]
+        seen = [r for r in a.received()["requests"] if r["body"].get("text") == "key"]
         assert seen and seen[-1]["authorization"] == "Bearer sk-1"
         assert _authorized(router.base_url, "sk-1", None, "/add_worker")[0] == 403
         assert _authorized(router.base_url, "sk-admin", None, "/flush_cache")[0] == 200
@@ -107,7 +108,7 @@ def test_bad_inputs_are_4xx_and_release_every_counter(two: dict[str, Any]) -> No
                 assert "error" in answer  # ours, or the worker's own 4xx
         assert _inflight(router) == [0, 0]
         assert post(router.base_url + "/generate", {"text": "fine"})[0] == 200
-        two["a"].configure(fail_status=503)  # no worker can answer: still the input's 400
+        two["a"].set_faults(fail_status=503)  # no worker can answer: still the input's 400
         for raw in (b'{"text": "x", "sampling_params": "many"}',
                     b'{"text": "x", "sampling_params": {"max_new_tokens": 1e300}}',
                     b'{"prompt": "x", "max_tokens": -1}'):
@@ -126,7 +127,7 @@ def test_a_client_rid_cannot_abort_another_clients_request(two: dict[str, Any]) 
                 victim = s.post(router.base_url + "/generate", json={
                     "text": "victim", "rid": "ab", "stream": True,
                     "sampling_params": {"max_new_tokens": 100}})
-                before = len(a.log()["aborts"])
+                before = len(a.aborted_rids())
                 async with victim as resp:
                     assert resp.headers.get("X-Client-Rid") == "ab"
                     first = await resp.content.readline()
@@ -136,20 +137,20 @@ def test_a_client_rid_cannot_abort_another_clients_request(two: dict[str, Any]) 
                     await leaver.content.readline()
                     leaver.close()  # the client goes away: the router aborts its request
                     deadline = time.monotonic() + 10  # the loop must run to close the socket
-                    while len(a.log()["aborts"]) == before and time.monotonic() < deadline:
+                    while len(a.aborted_rids()) == before and time.monotonic() < deadline:
                         await asyncio.sleep(0.02)
-                    assert len(a.log()["aborts"]) > before
+                    assert len(a.aborted_rids()) > before
                     rest = await resp.read()
             return sse_events((first + rest).decode())
 
         events = asyncio.run(run())
     answer = [e for e in events if isinstance(e, dict)]
     assert events[-1] == "[DONE]" and answer[-1]["meta_info"]["completion_tokens"] == 100
-    requests = a.log()["requests"]
+    requests = a.received()["requests"]
     rids = {r["body"]["text"]: r["body"]["rid"] for r in requests
             if r["body"].get("text") in ("victim", "leaver")}
     assert rids["victim"] not in ("ab",) and len(rids["victim"]) == len(rids["leaver"]) == 24
-    assert a.log()["aborts"][-1] == rids["leaver"]  # the abort names the router's rid
+    assert a.aborted_rids()[-1] == rids["leaver"]  # the abort names the router's rid
     records = [json.loads(line) for line in log.read_text().splitlines()]  # flushed at exit
     assert {r.get("client_rid") for r in records} >= {"a", "ab"}
     assert any(rids["leaver"] in r.get("worker_rids", []) for r in records)
@@ -161,7 +162,7 @@ def test_a_hung_worker_times_out_is_aborted_and_the_request_retried(two: dict[st
                         "--request-timeout-secs", "1.5", "--upstream-first-byte-timeout-secs",
                         "1", "--upstream-idle-timeout-secs", "1", *FAST],
                        two["tmp"] / "hang.log") as router:
-        a.configure(hang=True)
+        a.set_faults(hang_after_tokens=0)  # accepts and never answers
         for stream in (False, True, False, True):
             started = time.monotonic()
             status, answer, _ = post(router.base_url + "/generate", {
@@ -169,11 +170,11 @@ def test_a_hung_worker_times_out_is_aborted_and_the_request_retried(two: dict[st
                 "sampling_params": {"max_new_tokens": 3}}, timeout=20)
             assert status == 200, answer
             assert time.monotonic() - started < 10
-        hung = [r["body"]["rid"] for r in a.log()["requests"]
+        hung = [r["body"]["rid"] for r in a.received()["requests"]
                 if str(r["body"].get("text")).startswith("hang")]
-        assert hung and wait_until(lambda: set(hung) <= set(a.log()["aborts"]), 10)
-        a.configure(hang=False, hang_after_tokens=2)  # silent mid-stream: one error event
-        b.configure(hang_after_tokens=2)
+        assert hung and wait_until(lambda: set(hung) <= set(a.aborted_rids()), 10)
+        a.set_faults(hang_after_tokens=2)  # silent mid-stream: one error event
+        b.set_faults(hang_after_tokens=2)
         status, text, _ = post(router.base_url + "/generate", {
             "text": "idle", "stream": True, "sampling_params": {"max_new_tokens": 5}}, timeout=20)
         events = sse_events(text) if isinstance(text, str) else []

@@ -1,8 +1,8 @@
-"""PD mode end to end: the router in front of emulated 2P1D workers (EmulatedPDWorker).
+"""PD mode end to end: the router in front of emulated 2P1D workers (``omniinfer emulate-worker``).
 
-Real SGLang PD does not run on a CPU, so the workers are the emulation in
-proxy_emulated_worker.py (same endpoints and bodies; the decode worker waits for the prefill's
-bootstrap room, like SGLang's). The router is the real one, as a subprocess.
+The workers are the emulator (SGLang's endpoints and bodies; a decode worker waits for its
+prefill's bootstrap room, like SGLang's), with its fault switches. The router is the real one,
+as a subprocess.
 """
 
 from __future__ import annotations
@@ -14,26 +14,31 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
-from proxy_helpers import EmulatedWorkerProcess, get, post, sse_events, wait_until
+from proxy_helpers import get, post, sse_events, wait_until
 
+from omniinfer.emulator.process import EmulatorProcess
 from omniinfer.proxy.process import RouterProcess
 from omniinfer.proxy.workers import normalize_url
 
+MODEL = "SmolLM2-135M-Instruct"  # what the cpu-smollm2 profile serves
+
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("pd")
-    workers = [EmulatedWorkerProcess("prefill"), EmulatedWorkerProcess("prefill"),
-               EmulatedWorkerProcess("decode")]
+    workers = [EmulatorProcess(mode, log_path=tmp / f"{mode}{i}.log")
+               for i, mode in enumerate(("prefill", "prefill", "decode"))]
     try:
         for w in workers:
-            w.start()
+            w.launch()
+        for w in workers:
+            w.wait_ready()
         p1, p2, d = workers
-        args = ["--pd-disaggregation", "--prefill", p1.url, str(p1.port),
-                "--prefill", p2.url, str(p2.port), "--decode", d.url,
+        args = ["--pd-disaggregation", *p1.router_args(), *p2.router_args(), *d.router_args(),
                 "--prefill-policy", "cache_aware", "--decode-policy", "power_of_two",
                 "--health-check-interval-secs", "0.5", "--access-log", str(tmp / "access.jsonl"),
                 "--retry-initial-backoff-ms", "1"]
@@ -42,96 +47,125 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
                    "access_log": tmp / "access.jsonl"}
     finally:
         for w in workers:
-            w.kill()
+            w.stop()
 
 
 @pytest.fixture(autouse=True)
-def _reset(cluster: dict) -> Iterator[None]:
+def _reset(cluster: dict[str, Any]) -> Iterator[None]:
     yield
     for w in [*cluster["prefill"], cluster["decode"]]:
-        w.configure(prefill_fail=False, prefill_response_delay=0.0, prefill_delay=0.01,
-                    token_delay=0.002, fail_status=0)
+        w.clear_faults()
 
 
-BODIES = {
-    "/generate": {"text": "hello pd world", "sampling_params": {"max_new_tokens": 4}},
-    "/v1/completions": {"prompt": "hello pd world", "max_tokens": 4, "model": "m"},
-    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                             "model": "m"},
-}
+def _idle(cluster: dict[str, Any]) -> bool:
+    """No worker holds a request (running, queued, waiting for KV) any more."""
+    for w in [*cluster["prefill"], cluster["decode"]]:
+        load = w.load()
+        if load["num_running_reqs"] or load["num_waiting_reqs"] or \
+                load["disaggregation"]["decode_prealloc_queue_reqs"]:
+            return False
+    return True
 
 
-@pytest.mark.parametrize("path", list(BODIES))
+def _completion_tokens(answer: dict[str, Any]) -> int:
+    return int(answer.get("meta_info", answer.get("usage", {})).get("completion_tokens", -1))
+
+
+PATHS = ["/generate", "/v1/completions", "/v1/chat/completions"]
+
+
+def _body(path: str, text: str, tokens: int = 4) -> dict[str, Any]:
+    if path == "/generate":
+        return {"text": text, "sampling_params": {"max_new_tokens": tokens}}
+    if path == "/v1/completions":
+        return {"prompt": text, "max_tokens": tokens, "model": "m"}
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": tokens, "model": "m"}
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("stream", [False, True])
-def test_pd_endpoints_send_bootstrap_fields_to_both(cluster: dict, path: str,
+def test_pd_endpoints_send_bootstrap_fields_to_both(cluster: dict[str, Any], path: str,
                                                      stream: bool) -> None:
     router = cluster["router"]
-    body = dict(BODIES[path], stream=stream)
+    marker = f"hello pd {path} stream={stream}"  # finds this request in the workers' logs
+    body = {**_body(path, marker), "stream": stream}
     status, answer, _ = post(router.base_url + path, body)
     assert status == 200, answer
     if stream:
         events = sse_events(answer)
-        assert events[-1] == "[DONE]" and len(events) == 5  # 4 tokens + [DONE]
-        rid = events[0].get("meta_info", events[0]).get("id")
+        assert events[-1] == "[DONE]"
+        chunks = [e for e in events[:-1] if isinstance(e, dict)]
+        assert not any("error" in c for c in chunks)
+        if path == "/generate":
+            assert chunks[-1]["meta_info"]["completion_tokens"] == 4
+            assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+        else:
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     else:
-        rid = answer.get("meta_info", answer).get("id")
-        text = answer.get("text") or answer["choices"][0].get("text") or \
-            answer["choices"][0]["message"]["content"]
-        assert text.strip() == "t1 t2 t3 t4"
-    decode_body = next(r["body"] for r in cluster["decode"].log()["requests"]
-                       if r["body"].get("rid") == rid)
-    prefill_bodies = [r["body"] for p in cluster["prefill"] for r in p.log()["requests"]
-                      if r["body"].get("rid") == rid]
+        assert _completion_tokens(answer) == 4
+    decode_bodies = [r["body"] for r in cluster["decode"].received()["requests"]
+                     if marker in json.dumps(r["body"])]
+    assert len(decode_bodies) == 1, decode_bodies
+    decode_body = decode_bodies[0]
+    prefill_bodies = [r["body"] for p in cluster["prefill"] for r in p.received()["requests"]
+                      if r["body"].get("rid") == decode_body["rid"]]
     assert len(prefill_bodies) == 1 and prefill_bodies[0] == decode_body  # same body to both
     assert decode_body["bootstrap_host"] == "127.0.0.1"
     assert isinstance(decode_body["bootstrap_room"], int) and decode_body["bootstrap_room"] >= 0
-    ports = {p.port for p in cluster["prefill"]}
-    assert decode_body["bootstrap_port"] in ports
+    assert decode_body["bootstrap_port"] in {p.bootstrap_port for p in cluster["prefill"]}
     for key, value in body.items():
         assert decode_body[key] == value
 
 
-def test_pd_decode_stream_does_not_wait_for_prefill_body(cluster: dict) -> None:
+def test_pd_decode_stream_does_not_wait_for_prefill_body(cluster: dict[str, Any]) -> None:
     for p in cluster["prefill"]:
-        p.configure(prefill_response_delay=3.0)  # KV is ready at once, the answer comes late
+        p.set_faults(first_byte_delay_s=3.0)  # KV is ready at once, the answer comes late
     start = time.perf_counter()
     status, answer, _ = post(cluster["router"].base_url + "/generate",
                              {"text": "late prefill", "stream": True,
                               "sampling_params": {"max_new_tokens": 3}})
     elapsed = time.perf_counter() - start
     assert status == 200 and sse_events(answer)[-1] == "[DONE]"
+    assert sse_events(answer)[-2]["meta_info"]["completion_tokens"] == 3
     assert elapsed < 2.0, f"the decode stream waited for the prefill answer ({elapsed:.2f} s)"
+    start = time.perf_counter()
     status, answer, _ = post(cluster["router"].base_url + "/generate",
                              {"text": "late prefill 2", "sampling_params": {"max_new_tokens": 3}})
-    assert status == 200 and time.perf_counter() - start < 4.0
+    elapsed = time.perf_counter() - start
+    assert status == 200 and _completion_tokens(answer) == 3
+    assert elapsed < 2.0, f"the decode answer waited for the prefill answer ({elapsed:.2f} s)"
 
 
-def test_pd_prefill_failure_aborts_decode_and_gives_one_error(cluster: dict) -> None:
+def test_pd_prefill_failure_aborts_decode_and_gives_one_error(cluster: dict[str, Any]) -> None:
     for p in cluster["prefill"]:
-        p.configure(prefill_fail=True)
+        p.set_faults(fail_status=500)
     status, answer, _ = post(cluster["router"].base_url + "/generate",
                              {"text": "doomed", "sampling_params": {"max_new_tokens": 4}},
                              timeout=20)
     assert status == 502, answer
     assert "prefill failed" in answer["error"]["message"]
-    decode_log = cluster["decode"].log()
-    doomed = [r["body"]["rid"] for r in decode_log["requests"] if r["body"].get("text") == "doomed"]
-    assert doomed and set(doomed) <= set(decode_log["aborts"])  # every attempt's decode aborted
+    decode = cluster["decode"]
+    doomed = [r["body"]["rid"] for r in decode.received()["requests"] if r["body"].get("text") == "doomed"]
+    assert doomed and set(doomed) <= set(decode.aborted_rids())  # every attempt's decode aborted
+    assert wait_until(lambda: _idle(cluster))  # and nothing is left waiting for its KV
 
 
-def test_pd_prefill_failure_on_one_worker_is_retried_on_the_other(cluster: dict) -> None:
+def test_pd_prefill_failure_on_one_worker_is_retried_on_the_other(cluster: dict[str, Any]) -> None:
     bad, good = cluster["prefill"]
-    bad.configure(prefill_fail=True)
+    bad.set_faults(fail_status=500)
     answers = [post(cluster["router"].base_url + "/generate",
                     {"text": f"retry me {i}", "sampling_params": {"max_new_tokens": 2}})
                for i in range(6)]
-    assert all(status == 200 for status, _, _ in answers), answers
-    assert wait_until(lambda: bool(cluster["decode"].log()["aborts"]))
+    assert [(status, _completion_tokens(a)) for status, a, _ in answers] == [(200, 2)] * 6, answers
+    failed = [r["body"]["rid"] for r in bad.received()["requests"]
+              if str(r["body"].get("text")).startswith("retry me")]
+    assert set(failed) <= set(cluster["decode"].aborted_rids())  # their decode halves ended
+    assert wait_until(lambda: _idle(cluster))
 
 
-def test_pd_client_disconnect_aborts_both(cluster: dict) -> None:
+def test_pd_client_disconnect_aborts_both(cluster: dict[str, Any]) -> None:
     for p in cluster["prefill"]:
-        p.configure(prefill_delay=3.0)
+        p.set_faults(hang_after_tokens=0)  # the prefill never finishes
 
     async def walk_away() -> None:
         async with aiohttp.ClientSession() as session:
@@ -145,15 +179,16 @@ def test_pd_client_disconnect_aborts_both(cluster: dict) -> None:
     decode = cluster["decode"]
 
     def aborted_both() -> bool:
-        rids = [r["body"]["rid"] for r in decode.log()["requests"]
+        rids = [r["body"]["rid"] for r in decode.received()["requests"]
                 if r["body"].get("text") == "impatient"]
-        prefill_aborts = [a for p in cluster["prefill"] for a in p.log()["aborts"]]
-        return bool(rids) and rids[0] in decode.log()["aborts"] and rids[0] in prefill_aborts
+        prefill_aborts = [a for p in cluster["prefill"] for a in p.aborted_rids()]
+        return bool(rids) and rids[0] in decode.aborted_rids() and rids[0] in prefill_aborts
 
     assert wait_until(aborted_both, timeout=5.0)
+    assert wait_until(lambda: _idle(cluster))
 
 
-def test_pd_metrics_and_access_log(cluster: dict) -> None:
+def test_pd_metrics_and_access_log(cluster: dict[str, Any]) -> None:
     router = cluster["router"]
     post(router.base_url + "/generate", {"text": "metrics please", "stream": True,
                                          "sampling_params": {"max_new_tokens": 3}})
@@ -165,28 +200,34 @@ def test_pd_metrics_and_access_log(cluster: dict) -> None:
     assert 'omniproxy_routing_decisions_total{policy="cache_aware"' in text
     assert 'policy="power_of_two",reason=' in text
     assert "omniproxy_ttft_seconds_count" in text and "omniproxy_worker_inflight_tokens" in text
-    assert wait_until(lambda: cluster["access_log"].exists() and
-                      "metrics please" not in "" and cluster["access_log"].stat().st_size > 0,
-                      timeout=5.0)
-    time.sleep(1.2)  # the log is flushed at most every second: one more request flushes it
-    post(router.base_url + "/generate", {"text": "flush", "sampling_params": {"max_new_tokens": 1}})
-    lines = [json.loads(line) for line in cluster["access_log"].read_text().splitlines()]
-    record = next(r for r in lines if r.get("stream") and r["status"] == 200)
+
+    def logged() -> dict[str, Any] | None:
+        """The record of the streamed request; the log is flushed on a write a second after the
+        last flush, so each poll answers one more small request."""
+        post(router.base_url + "/generate", {"text": "flush", "sampling_params": {"max_new_tokens": 1}})
+        path = cluster["access_log"]
+        lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return next((r for r in lines if r.get("stream") and r["status"] == 200), None)
+
+    assert wait_until(lambda: logged() is not None, timeout=10.0, step=0.2)
+    record = logged()
+    assert record is not None
     assert {"tokenize", "prefill_scheduled", "decode_running"} <= set(record["phases"])
     assert {d["role"] for d in record["decisions"]} == {"prefill", "decode"}
     assert record["ttft"] > 0 and record["bootstrap_room"] >= 0
 
 
-def test_pd_server_info_models_flush_and_worker_admin(cluster: dict) -> None:
+def test_pd_server_info_models_flush_and_worker_admin(cluster: dict[str, Any], tmp_path: Path) -> None:
     base = cluster["router"].base_url
     status, info = get(base + "/server_info")
     assert status == 200 and info["omniproxy"]["mode"] == "pd"
-    assert get(base + "/v1/models")[1]["data"][0]["id"] == "emulated-model"
+    assert get(base + "/v1/models")[1]["data"][0]["id"] == MODEL
+    assert wait_until(lambda: _idle(cluster))
     status, flushed, _ = post(base + "/flush_cache", {})
     assert status == 200 and flushed["success"] and len(flushed["workers"]) == 3
-    with EmulatedWorkerProcess("prefill") as extra:
+    with EmulatorProcess("prefill", log_path=tmp_path / "extra.log") as extra:
         status, _, _ = post(base + f"/add_worker?url={extra.url}&worker_type=prefill"
-                                   f"&bootstrap_port={extra.port}", None, raw=b"")
+                                   f"&bootstrap_port={extra.bootstrap_port}", None, raw=b"")
         assert status == 200
         urls = {w["url"] for w in get(base + "/list_workers")[1]["workers"]}
         assert normalize_url(extra.url) in urls
