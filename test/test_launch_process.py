@@ -20,9 +20,9 @@ def _emulator_command(port: int) -> list[str]:
 
 def test_ready_by_post_body_and_refused_body_times_out(tmp_path: Path) -> None:
     port = free_port()
-    proc = ManagedProcess(_emulator_command(port), None, tmp_path / "a.log", port, ready_timeout_s=60)
-    proc.ready_path = "/generate"
-    proc.ready_body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}
+    proc = ManagedProcess(_emulator_command(port), None, tmp_path / "a.log", port, ready_timeout_s=60,
+                          ready_path="/generate",
+                          ready_body={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}})
     with proc:
         assert proc.alive() and proc.ready()
         proc.ready_body = {"input_ids": []}  # the worker answers 400: not ready

@@ -1,78 +1,26 @@
 """Emulated PD clusters and routers as child processes (each in its own process group).
 
 ``EmulatedCluster(n_prefill, n_decode, profile, time_scale)`` starts ``omniinfer
-emulate-worker`` processes; ``router_command`` builds the command line of OmniProxy or of the
-upstream ``sglang_router`` for it; ``Proc`` stops a process group by its id.
+emulate-worker`` processes (``EmulatorProcess``); ``router_command`` builds the command line of
+OmniProxy or of the upstream ``sglang_router`` for it; ``start_router`` runs one as a
+``ManagedProcess`` that is ready once a request went through it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+from omniinfer.emulator.process import EmulatorProcess
+from omniinfer.launch import ManagedProcess, free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Proc:
-    """One child process in its own group; ``stop`` ends the group (TERM, then KILL)."""
-
-    def __init__(self, command: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-        self.command = command
-        self.log = log
-        with open(log, "wb") as f:
-            self.popen = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT,
-                                          start_new_session=True, env=env)
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        if self.popen.poll() is not None:
-            return
-        pgid = self.popen.pid  # the group id is the leader's pid (start_new_session)
-        os.killpg(pgid, signal.SIGTERM)
-        try:
-            self.popen.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            self.popen.wait()
-
-    def tail(self) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-2000:]
-        except OSError:
-            return ""
-
-
-def wait_ok(url: str, proc: Proc, timeout_s: float = 60.0, method: str = "GET",
-            body: dict | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise RuntimeError(f"{proc.command[:4]} exited:\n{proc.tail()}")
-        try:
-            data = None if body is None else json.dumps(body).encode()
-            req = urllib.request.Request(url, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=5) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s:\n{proc.tail()}")
+__all__ = ["EmulatedCluster", "free_port", "omni_router_args", "omni_router_command",
+           "sglang_router_command", "start_router"]
 
 
 def kv_events_args() -> list[str]:
@@ -87,27 +35,20 @@ class EmulatedCluster:
 
     def __init__(self, n_prefill: int, n_decode: int, profile: str, time_scale: float,
                  log_dir: Path, extra: tuple[str, ...] = (), kv_events: bool = False) -> None:
-        self.prefill: list[tuple[str, int]] = []  # (url, bootstrap port)
-        self.decode: list[str] = []
-        self.procs: list[Proc] = []
         log_dir.mkdir(parents=True, exist_ok=True)
-        base = [sys.executable, "-m", "omniinfer", "emulate-worker", "--profile", profile,
-                "--time-scale", str(time_scale), *extra]
+        events = kv_events_args if kv_events else list
+        self.procs = [EmulatorProcess(mode, profile, time_scale, extra_args=[*extra, *events()],
+                                      log_path=log_dir / f"{mode}{i}.log")
+                      for mode, count in (("prefill", n_prefill), ("decode", n_decode))
+                      for i in range(count)]
+        self.prefill: list[tuple[str, int]] = [(w.url, int(w.bootstrap_port or 0)) for w in self.procs
+                                               if w.mode == "prefill"]  # (url, bootstrap port)
+        self.decode: list[str] = [w.url for w in self.procs if w.mode == "decode"]
         try:
-            events = kv_events_args if kv_events else list
-            for i in range(n_prefill):
-                port, boot = free_port(), free_port()
-                self.procs.append(Proc([*base, "--port", str(port), "--disaggregation-mode",
-                                        "prefill", "--disaggregation-bootstrap-port", str(boot),
-                                        *events()], log_dir / f"prefill{i}.log"))
-                self.prefill.append((f"http://127.0.0.1:{port}", boot))
-            for i in range(n_decode):
-                port = free_port()
-                self.procs.append(Proc([*base, "--port", str(port), "--disaggregation-mode",
-                                        "decode", *events()], log_dir / f"decode{i}.log"))
-                self.decode.append(f"http://127.0.0.1:{port}")
-            for proc, url in zip(self.procs, self.urls(), strict=True):
-                wait_ok(url + "/health", proc)
+            for proc in self.procs:  # all at once, then wait for each
+                proc.launch()
+            for proc in self.procs:
+                proc.wait_ready()
         except BaseException:
             self.stop()
             raise
@@ -178,14 +119,10 @@ def omni_router_command(args: list[str], port: int) -> list[str]:
             str(port), *args]
 
 
-def start_router(command: list[str], port: int, log: Path) -> Proc:
+def start_router(command: list[str], port: int, log: Path) -> ManagedProcess:
     """Start a router and wait until one tiny request goes through it."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = Proc(command, log, env)
-    try:
-        wait_ok(f"http://127.0.0.1:{port}/generate", proc, 90.0, "POST",
-                {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 1}})
-    except BaseException:
-        proc.stop()
-        raise
-    return proc
+    router = ManagedProcess(command, {**os.environ, "HF_HUB_OFFLINE": "1"}, log, port,
+                            ready_timeout_s=90.0, kind="router", ready_path="/generate", poll_s=0.2,
+                            ready_body={"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 1}})
+    router.start()
+    return router

@@ -104,7 +104,17 @@ class ManagedProcess:
         log_path: Path,
         port: int,
         ready_timeout_s: float = 600.0,
+        *,
+        kind: str | None = None,
+        ready_path: str | None = None,
+        ready_body: dict[str, Any] | None = None,
+        poll_s: float | None = None,
     ) -> None:
+        """The keyword settings override the class's (a subclass sets them once for its kind)."""
+        self.kind = kind or self.kind
+        self.ready_path = ready_path or self.ready_path
+        self.ready_body = ready_body if ready_body is not None else self.ready_body
+        self.poll_s = poll_s if poll_s is not None else self.poll_s
         self.command = list(command)
         self.env = dict(os.environ) if env is None else env
         self.log_path = Path(log_path)
