@@ -146,3 +146,34 @@ def test_greedy_adds_the_least_harmful_layers_first() -> None:
 def test_spread_family_is_every_other_layer_at_half() -> None:
     assert baselines.spread_k(6, LAYERS) == tuple(i % 2 == 1 for i in range(LAYERS))
     assert sum(baselines.spread_k(5, LAYERS)) == 5
+
+
+def _best_k_set(k: int) -> Genome:
+    return min(
+        (from_layers(c, LAYERS) for c in itertools.combinations(range(LAYERS), k)),
+        key=synthetic_drop,
+    )
+
+
+def test_fixed_size_search_only_asks_for_that_size_and_finds_the_best_set() -> None:
+    k = 5
+    found = 0
+    for seed in range(3):
+        _, objective, counter = _ga(budget=60, seed=seed, layers=k)
+        assert counter.calls and all(sum(g) == k for g in counter.calls)
+        best = objective.best()
+        assert best is not None and sum(best.genome) == k
+        found += best.genome == _best_k_set(k)
+    assert found >= 2  # 792 sets of 5; the GA sees at most 60
+
+
+def test_seeds_start_the_first_generation() -> None:
+    seed_bits = "".join("1" if i < 5 else "0" for i in range(LAYERS))
+    _, objective, counter = _ga(budget=8, layers=5, seeds=(seed_bits,))
+    assert counter.calls[0] == from_layers(range(5), LAYERS)
+    with pytest.raises(ValueError, match="does not compress 4"):
+        GeneticSearch(LAYERS, GAConfig(population=8, layers=4, seeds=(seed_bits,)),
+                      Objective(synthetic_drop, BOUND, 4))
+    with pytest.raises(ValueError, match="not a 12-layer bit string"):
+        GeneticSearch(LAYERS, GAConfig(population=8, seeds=("101",)),
+                      Objective(synthetic_drop, BOUND, 4))

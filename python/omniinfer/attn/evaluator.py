@@ -136,3 +136,37 @@ class Evaluator:
             sum(map(bool, compressed)), self.num_layers, self.sink, self.recent,
             context or self.context,
         )
+
+
+class TextSetEvaluator:
+    """Scores a pattern on several texts at once and judges it by the worst of them.
+
+    A pattern that holds on one text can fail on another kind (code, a report), so the search
+    objective is the largest per-text drop: meeting a bound then means meeting it on every text
+    of the set. Per-text figures travel along for reports.
+    """
+
+    def __init__(
+        self, model: Any, windows: dict[str, Sequence[Sequence[int]]], sink: int, recent: int
+    ) -> None:
+        if not windows:
+            raise ValueError("no texts to score on")
+        self.texts = {name: Evaluator(model, w, sink, recent) for name, w in windows.items()}
+        first = next(iter(self.texts.values()))
+        self.num_layers, self.context = first.num_layers, first.context
+        self.kv_saved_fraction = first.kv_saved_fraction
+
+    def evaluate(self, compressed: Sequence[bool]) -> dict[str, Any]:
+        began = time.perf_counter()
+        per_text = {name: ev.evaluate(compressed) for name, ev in self.texts.items()}
+        worst = max(per_text, key=lambda name: per_text[name].drop)
+        return {
+            "drop": per_text[worst].drop,
+            "drop_stderr": per_text[worst].drop_stderr,
+            "worst_text": worst,
+            "drop_mean": sum(m.drop for m in per_text.values()) / len(per_text),
+            "agreement": min(m.agreement for m in per_text.values()),
+            "tokens": sum(m.tokens for m in per_text.values()),
+            "seconds": time.perf_counter() - began,
+            "texts": {name: m.to_json() for name, m in per_text.items()},
+        }

@@ -6,6 +6,12 @@ the search sits on the accuracy bound) and a directed step (grow the child of a 
 shrink that of an infeasible one), and elitism. Every generation boundary is written to a
 JSON checkpoint holding the population, the random generator's state and the evaluations made,
 so a resumed run continues exactly where the interrupted one stopped.
+
+With ``layers`` set the search is of fixed size: every genome compresses exactly that many
+layers (random genomes are drawn that size, children are repaired to it, the directed step is
+off), so the objective's ranking reduces to the smaller drop. That is the question a KV budget
+asks ("which k layers?"), and it keeps a noisy bound from deciding the size. ``seeds`` start
+the first generation from known patterns (a baseline's best, say), the rest is random.
 """
 
 from __future__ import annotations
@@ -36,12 +42,18 @@ class GAConfig:
     seed: int = 0
     max_tries: int = 20  # attempts to breed a child not evaluated before
     patience: int = 5  # stop after this many generations that evaluated nothing new
+    layers: int | None = None  # fixed number of compressed layers; None: the search sizes it
+    seeds: tuple[str, ...] = ()  # bit strings placed in the first generation
 
     def __post_init__(self) -> None:
         if self.population < 2 or not 0 <= self.elitism < self.population:
             raise ValueError("need population >= 2 and 0 <= elitism < population")
         if self.tournament < 1:
             raise ValueError("tournament size must be >= 1")
+        if len(self.seeds) > self.population:
+            raise ValueError(f"{len(self.seeds)} seeds for a population of {self.population}")
+        if self.layers is not None and self.layers < 1:
+            raise ValueError("layers must be at least 1")
 
 
 class GeneticSearch:
@@ -66,14 +78,50 @@ class GeneticSearch:
         self.population: list[Genome] = []
         self.boundary = 0  # evaluations made before the current generation was bred
         self.stopped_by_budget = False
+        for bits in config.seeds:
+            if len(bits) != num_layers or set(bits) - {"0", "1"}:
+                raise ValueError(f"seed {bits!r} is not a {num_layers}-layer bit string")
+            if config.layers is not None and bits.count("1") != config.layers:
+                raise ValueError(f"seed {bits!r} does not compress {config.layers} layers")
+        if config.layers is not None and config.layers > num_layers:
+            raise ValueError(f"layers={config.layers} but the model has {num_layers}")
         if checkpoint is not None and checkpoint.exists():
             self._load(checkpoint)
 
     # -- operators -----------------------------------------------------------------------
     def _random_genome(self) -> Genome:
+        if self.config.layers is not None:
+            chosen = set(self.rng.sample(range(self.num_layers), self.config.layers))
+            return tuple(i in chosen for i in range(self.num_layers))
         low, high = self.config.init_density
         density = self.rng.uniform(low, high)
         return tuple(self.rng.random() < density for _ in range(self.num_layers))
+
+    def _first_generation(self) -> list[Genome]:
+        seeds = [from_bits(bits) for bits in dict.fromkeys(self.config.seeds)]
+        population = list(seeds)
+        for _ in range(100 * self.config.population):
+            if len(population) >= self.config.population:
+                break
+            genome = self._random_genome()
+            if genome not in population:
+                population.append(genome)
+        return population
+
+    def _repair(self, bits: list[bool]) -> list[bool]:
+        """Fixed-size mode: switch random layers on or off until exactly ``layers`` are on."""
+        target = self.config.layers
+        if target is None:
+            return bits
+        on = [i for i, g in enumerate(bits) if g]
+        off = [i for i, g in enumerate(bits) if not g]
+        while len(on) > target:
+            bits[on.pop(self.rng.randrange(len(on)))] = False
+        while len(on) < target:
+            i = off.pop(self.rng.randrange(len(off)))
+            bits[i] = True
+            on.append(i)
+        return bits
 
     def _select(self) -> Genome:
         entrants = [self.rng.choice(self.population) for _ in range(self.config.tournament)]
@@ -92,9 +140,10 @@ class GeneticSearch:
         if self.rng.random() < self.config.swap_rate and on and off:
             i, j = self.rng.choice(on), self.rng.choice(off)
             bits[i], bits[j] = False, True
-        if self.rng.random() < self.config.step_rate and (off if grow else on):
+        fixed = self.config.layers is not None
+        if not fixed and self.rng.random() < self.config.step_rate and (off if grow else on):
             bits[self.rng.choice(off if grow else on)] = grow
-        return tuple(bits)
+        return tuple(self._repair(bits))
 
     def _breed(self, taken: set[Genome]) -> Genome:
         child: Genome = ()
@@ -130,7 +179,7 @@ class GeneticSearch:
         while self.generation < self.config.generations and stale < self.config.patience:
             state, used = self.rng.getstate(), self.objective.used
             if self.generation < 0:
-                population = [self._random_genome() for _ in range(self.config.population)]
+                population = self._first_generation()
             else:
                 population = self._next_population()
             try:
@@ -180,6 +229,8 @@ class GeneticSearch:
         saved = {k: v for k, v in data["config"].items() if k != "generations"}
         mine = {k: v for k, v in asdict(self.config).items() if k != "generations"}
         saved["init_density"] = tuple(saved["init_density"])
+        saved["seeds"] = tuple(saved.get("seeds", ()))
+        saved.setdefault("layers", None)
         if saved != mine:
             raise ValueError(f"{path}: written with another GA configuration: {saved}")
         version, internal, gauss = data["rng"]

@@ -1,8 +1,10 @@
-"""Evaluation text: the public-domain books shipped in ``omniinfer.data``, cut into windows.
+"""Evaluation text: the public-domain texts shipped in ``omniinfer.data``, cut into windows.
 
-Each text is split once into two halves by characters: the search scores patterns on the first
-half only and the evaluation reports on the second (held out), so the reported figures never
-come from text the search has seen.
+The texts are of different kinds (verse, drama, a report, a novel, a C header with its API
+documentation; sources and licences in ``data/text/SOURCES.md``) because a pattern scored on
+one kind overfits it. Each text is split once into two halves by characters: a search scores
+patterns on the first half only and the evaluation reports on the second (held out); texts a
+search never used at all are the real test of a pattern.
 """
 
 from __future__ import annotations
@@ -13,8 +15,13 @@ from typing import Any
 
 # Shipped text name -> (file, marker of where the book starts after its Gutenberg preamble).
 SHIPPED: dict[str, tuple[str, str | None]] = {
-    "paradise_lost": ("paradise_lost.txt", "\nBook I "),
-    "tinyshakespeare": ("tinyshakespeare.txt", None),
+    "paradise_lost": ("paradise_lost.txt", "\nBook I "),  # verse
+    "tinyshakespeare": ("tinyshakespeare.txt", None),  # drama
+    "lcet10": ("lcet10.txt", "\n                      WORKSHOP ON ELECTRONIC TEXTS"),  # report
+    "alice": ("alice29.txt", None),  # novel
+    "asyoulik": ("asyoulik.txt", None),  # drama, a play tinyshakespeare does not have
+    "sqlite3_h": ("sqlite3_h.txt", None),  # C header with its API documentation
+    "stb_truetype_h": ("stb_truetype_h.txt", None),  # another C header, another author
 }
 PARTS = ("search", "heldout", "all")
 
