@@ -5,19 +5,26 @@ The workers are a minimal in-script echo worker (TrivialEchoWorker: answers /gen
 with a fixed tiny body, so nearly all time measured is HTTP + routing). Latency is measured
 open-loop at --rate req/s: direct to a worker (the floor), then through each router; "added" is
 router minus direct at the same percentile. Throughput: closed loop, --concurrency clients.
+Each run also reports the router's CPU time per request (user + system of its process, all
+threads): unlike wall latency it barely moves when other jobs share the machine.
 
   python benchmark/router/overhead.py --rates 200,1000 --duration 5
   python benchmark/router/overhead.py --rates 1000 --api-key sk-x --policy oas \
       --targets direct,omniproxy --output /tmp/oas.json
+  python benchmark/router/overhead.py --rates 1000 --api-key sk-x --policy oas --kv-events \
+      --targets direct,omniproxy --output /tmp/oas_kv.json
 With --api-key the workers require the key (as SGLang's server does), the routers are given it
-(OmniProxy then also requires it of clients) and every client presents it.
-Writes overhead.json and overhead.png beside this script and prints the table.
+(OmniProxy then also requires it of clients) and every client presents it. With --kv-events each
+echo worker publishes KV events as SGLang does (a warm cache under churn: every prompt stores its
+unique half and evicts the oldest one) and OmniProxy follows them (--cache-truth kv-events).
+Writes overhead.json and overhead.png beside this script (or --output) and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import signal
@@ -30,33 +37,85 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psutil
+
+from omniinfer.launch import free_port
 
 HERE = Path(__file__).resolve().parent
 BODY = {"text": "hello router", "sampling_params": {"max_new_tokens": 1}}
 
 
 # ---- TrivialEchoWorker ------------------------------------------------------------------------
-def serve_echo(port: int, api_key: str | None = None) -> None:
-    """An SGLang-shaped worker that answers immediately (no model): the overhead floor."""
+class EchoCache:
+    """The KV events of a worker whose radix cache holds one shared prefix plus the unique tails
+    of the last ``capacity`` prompts: each new prompt stores its tail (one ``BlockStored``) and,
+    once full, evicts the oldest (one ``BlockRemoved``) -- a warm cache under churn."""
+
+    def __init__(self, publisher: Any, shared_tokens: int, capacity: int = 1024) -> None:
+        from omniinfer.proxy.tokenization import ApproxTokenizer
+
+        self.recorder = publisher.recorder
+        self.encode = ApproxTokenizer().encode  # the router's tokens (no --tokenizer-path)
+        self.shared_tokens = shared_tokens
+        self.capacity = capacity
+        self.prefix: tuple[int, ...] | None = None
+        self.prefix_hash: int | None = None
+        self.tails: collections.deque[list[int]] = collections.deque()
+
+    def on_prompt(self, text: str) -> None:
+        tokens = self.encode(text)
+        head, tail = tuple(tokens[:self.shared_tokens]), tokens[self.shared_tokens:]
+        if head != self.prefix:  # the first prompt (or another prefix): store it under the root
+            self.prefix, self.prefix_hash = head, self.recorder.stored(None, head)
+        if tail:
+            self.recorder.stored(self.prefix_hash, tail)
+            self.tails.append(tail)
+        if len(self.tails) > self.capacity:
+            self.recorder.removed(self.prefix_hash, self.tails.popleft())
+
+
+def serve_echo(port: int, api_key: str | None = None, kv_port: int | None = None,
+               shared_tokens: int = 0) -> None:
+    """An SGLang-shaped worker that answers immediately (no model): the overhead floor. With
+    ``kv_port`` it also publishes KV events (``EchoCache``) on ``tcp://127.0.0.1:kv_port``."""
     from aiohttp import web
 
     answer = json.dumps({"text": "ok", "meta_info": {"id": "x", "completion_tokens": 1}}).encode()
     expected = f"Bearer {api_key}" if api_key else None
+    info_body: dict[str, Any] = {"model_path": "echo", "tokenizer_path": None,
+                                 "is_generation": True, "max_total_num_tokens": 1 << 20}
+    cache: EchoCache | None = None
+    publisher: Any = None
+    if kv_port is not None:
+        from omniinfer.emulator.kv_events import ZmqKvEventPublisher
+        from omniinfer.kv_events import parse_kv_events_config
+
+        raw = json.dumps({"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{kv_port}",
+                          "bind": True})
+        publisher = ZmqKvEventPublisher(parse_kv_events_config(raw))
+        cache = EchoCache(publisher, shared_tokens)
+        info_body.update(kv_events_config=raw, page_size=1, dp_size=1)
 
     async def gen(request: web.Request) -> web.Response:
-        await request.read()
+        raw_body = await request.read()
         if expected is not None and request.headers.get("Authorization") != expected:
             return web.Response(status=401, text="unauthorized")
+        if cache is not None:
+            cache.on_prompt(json.loads(raw_body)["text"])
         return web.Response(body=answer, content_type="application/json")
 
     async def info(_: web.Request) -> web.Response:
-        return web.json_response({"model_path": "echo", "tokenizer_path": None,
-                                  "is_generation": True, "max_total_num_tokens": 1 << 20})
+        return web.json_response(info_body)
 
     async def ok(_: web.Request) -> web.Response:
         return web.Response(text="")
 
+    async def open_publisher(_: web.Application) -> None:
+        publisher.start()
+
     app = web.Application()
+    if publisher is not None:
+        app.on_startup.append(open_publisher)
     app.router.add_post("/generate", gen)
     for path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info"):
         app.router.add_get(path, info)
@@ -73,14 +132,6 @@ def serve_echo(port: int, api_key: str | None = None) -> None:
 
 
 # ---- processes --------------------------------------------------------------------------------
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start(command: list[str], ready_url: str, log: Path) -> subprocess.Popen[bytes]:
     with open(log, "wb") as f:
         proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT,
@@ -110,19 +161,61 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (a steady measure of its work per
+    request even on a shared machine, unlike wall latency)."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def wait_kv_subscribed(base: str, deadline_s: float = 30.0) -> None:
+    """Until the router's KV-event subscription of every worker is connected (events published
+    before it would be lost, leaving the router an orphan chain that costs it nothing)."""
+    headers = {k: v for k, v in HEADERS.items() if k == "Authorization"}
+    deadline = time.monotonic() + deadline_s
+    while True:
+        req = urllib.request.Request(base + "/list_workers", headers=headers)
+        with urllib.request.urlopen(req, timeout=5) as r:
+            workers = json.loads(r.read())["cache_truth"]["workers"]
+        sources = [s for w in workers.values() for s in w.get("sources", [])]
+        if sources and all(s["connected"] for s in sources) and \
+                all(w.get("cache_truth") == "kv-events" for w in workers.values()):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"KV events not subscribed: {workers}")
+        time.sleep(0.1)
+
+
 # ---- load -------------------------------------------------------------------------------------
 HEADERS = {"Content-Type": "application/json"}
 
 
-async def open_loop(url: str, rate: float, duration: float) -> tuple[list[float], int]:
-    """Send at ``rate`` req/s for ``duration`` s; latency of each answered request (s)."""
+def payloads(count: int, prompt_tokens: int) -> list[bytes]:
+    """Request bodies: the fixed tiny one, or ``prompt_tokens`` pseudo-tokens (4 bytes each) of
+    which the first half is shared by all and the second half unique to each request."""
+    if prompt_tokens <= 0:
+        return [json.dumps(BODY).encode()] * count
+    half = prompt_tokens // 2
+    shared = ("shared prefix " * prompt_tokens)[:4 * half]
+    out = []
+    for i in range(count):
+        tail = (f"{i:012d} " * prompt_tokens)[:4 * (prompt_tokens - half)]
+        out.append(json.dumps({**BODY, "text": shared + tail}).encode())
+    return out
+
+
+async def open_loop(url: str, rate: float, duration: float, prompt_tokens: int, pid: int
+                    ) -> tuple[list[float], int, float]:
+    """Send at ``rate`` req/s for ``duration`` s: latency of each answered request (s), errors,
+    and the CPU seconds process ``pid`` spent from the end of the warm-up to the last answer."""
     latencies: list[float] = []
     errors = 0
-    payload = json.dumps(BODY).encode()
+    warm, n = 200, int(rate * duration)
+    bodies = payloads(warm + n, prompt_tokens)
     headers = HEADERS
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        async def one() -> None:
+        async def one(payload: bytes) -> None:
             nonlocal errors
             t0 = time.perf_counter()
             try:
@@ -136,38 +229,44 @@ async def open_loop(url: str, rate: float, duration: float) -> tuple[list[float]
                 return
             latencies.append(time.perf_counter() - t0)
 
-        for _ in range(200):  # warm the connection pools
-            await one()
+        for i in range(warm):  # warm the connection pools
+            await one(bodies[i])
         latencies.clear()
+        errors = 0
+        cpu_start = cpu_seconds(pid)
         tasks = []
         start_t = time.perf_counter()
-        n = int(rate * duration)
         for i in range(n):
             delay = start_t + i / rate - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(one()))
+            tasks.append(asyncio.ensure_future(one(bodies[warm + i])))
         await asyncio.gather(*tasks)
-    return latencies, errors
+    return latencies, errors, cpu_seconds(pid) - cpu_start
 
 
-async def closed_loop(url: str, concurrency: int, duration: float) -> float:
+async def closed_loop(url: str, concurrency: int, duration: float, prompt_tokens: int
+                      ) -> tuple[float, int]:
+    """Requests per second with ``concurrency`` clients back to back, and requests answered."""
     done = 0
-    payload = json.dumps(BODY).encode()
+    bodies = payloads(4096, prompt_tokens)
     headers = HEADERS
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         end = time.perf_counter() + duration
 
-        async def client() -> None:
+        async def client(k: int) -> None:
             nonlocal done
+            i = k
             while time.perf_counter() < end:
-                async with session.post(url + "/generate", data=payload, headers=headers) as r:
+                async with session.post(url + "/generate", data=bodies[i % len(bodies)],
+                                        headers=headers) as r:
                     await r.read()
                     done += r.status == 200
+                i += concurrency
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-        return done / (time.perf_counter() - t0)
+        await asyncio.gather(*(client(k) for k in range(concurrency)))
+        return done / (time.perf_counter() - t0), done
 
 
 def pct(values: list[float], q: float) -> float:
@@ -187,11 +286,20 @@ def main() -> int:
                    "clients present it")
     p.add_argument("--targets", default="direct,omniproxy,sglang-router",
                    help="comma-separated subset of direct, omniproxy, sglang-router")
+    p.add_argument("--prompt-tokens", type=int, default=0,
+                   help="0: the fixed tiny body; N: N pseudo-tokens, half shared, half unique")
+    p.add_argument("--kv-events", action="store_true",
+                   help="workers publish KV events; OmniProxy runs --cache-truth kv-events "
+                        "(implies --prompt-tokens 128 unless given)")
+    p.add_argument("--no-throughput", action="store_true", help="skip the closed-loop phase")
     p.add_argument("--serve-echo", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--kv-port", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_echo:
-        serve_echo(args.serve_echo, args.api_key)
+        serve_echo(args.serve_echo, args.api_key, args.kv_port, args.prompt_tokens // 2)
         return 0
+    if args.kv_events and args.prompt_tokens <= 0:
+        args.prompt_tokens = 128
     key_args = ["--api-key", args.api_key] if args.api_key else []
     if args.api_key:
         HEADERS["Authorization"] = f"Bearer {args.api_key}"
@@ -202,20 +310,24 @@ def main() -> int:
     results: dict[str, Any] = {"rates": rates, "duration_s": args.duration,
                                "concurrency": args.concurrency, "workers": args.workers,
                                "policy": args.policy, "cpus": os.cpu_count(),
-                               "api_key": bool(args.api_key), "runs": {}}
+                               "api_key": bool(args.api_key), "kv_events": args.kv_events,
+                               "prompt_tokens": args.prompt_tokens, "runs": {}}
     try:
         urls = []
         for i in range(args.workers):
             port = free_port()
-            procs.append(start([sys.executable, __file__, "--serve-echo", str(port), *key_args],
+            extra = ["--kv-port", str(free_port())] if args.kv_events else []
+            procs.append(start([sys.executable, __file__, "--serve-echo", str(port), *key_args,
+                                "--prompt-tokens", str(args.prompt_tokens), *extra],
                                f"http://127.0.0.1:{port}/health", logs / f"echo{i}.log"))
             urls.append(f"http://127.0.0.1:{port}")
         targets: dict[str, list[str] | None] = {"direct": None}
         ours = free_port()
+        truth = ["--cache-truth", "kv-events"] if args.kv_events else []
         targets["omniproxy"] = [sys.executable, "-m", "omniinfer.router", "--host", "127.0.0.1",
                                 "--port", str(ours), "--worker-urls", *urls,
                                 "--policy", args.policy, "--log-level", "warn",
-                                "--max-concurrent-requests", "0", *key_args]
+                                "--max-concurrent-requests", "0", *truth, *key_args]
         rust = free_port()
         targets["sglang-router"] = [sys.executable, "-m", "sglang_router.launch_router",
                                     "--host", "127.0.0.1", "--port", str(rust),
@@ -230,15 +342,26 @@ def main() -> int:
             proc = None
             if command is not None:
                 proc = start(command, url + "/health", logs / f"{name}.log")
+                if args.kv_events and name == "omniproxy":
+                    wait_kv_subscribed(url)
+            pid = (proc or procs[0]).pid  # direct: the echo worker's own CPU (the floor)
             try:
                 for rate in rates:
-                    lat, errors = asyncio.run(open_loop(url, rate, args.duration))
+                    lat, errors, cpu = asyncio.run(open_loop(url, rate, args.duration,
+                                                             args.prompt_tokens, pid))
+                    sent = int(rate * args.duration)
                     curves[f"{name} @ {rate:.0f}/s"] = lat
                     results["runs"][f"{name}@{rate:.0f}"] = {
                         "target": name, "rate": rate, "p50_ms": pct(lat, 0.5) * 1e3,
-                        "p99_ms": pct(lat, 0.99) * 1e3, "answered": len(lat), "errors": errors}
-                tput = asyncio.run(closed_loop(url, args.concurrency, args.duration))
-                results.setdefault("max_throughput_rps", {})[name] = tput
+                        "p99_ms": pct(lat, 0.99) * 1e3, "answered": len(lat), "errors": errors,
+                        "cpu_ms_per_request": cpu / max(1, sent) * 1e3}
+                if not args.no_throughput:
+                    before = cpu_seconds(pid)
+                    tput, done = asyncio.run(closed_loop(url, args.concurrency, args.duration,
+                                                         args.prompt_tokens))
+                    results.setdefault("max_throughput_rps", {})[name] = tput
+                    results.setdefault("throughput_cpu_ms_per_request", {})[name] = (
+                        (cpu_seconds(pid) - before) / max(1, done) * 1e3)
             finally:
                 if proc is not None:
                     stop(proc)
@@ -252,7 +375,7 @@ def main() -> int:
                 run["added_p99_ms"] = run["p99_ms"] - base["p99_ms"]
                 # a direct p99 far above a millisecond means the client machine itself saturated
                 run["client_saturated"] = base["p99_ms"] > 20.0
-        tp = results["max_throughput_rps"]
+        tp = results.get("max_throughput_rps", {})
         if "omniproxy" in tp and "sglang-router" in tp:
             results["ratio_throughput_ours_over_rust"] = tp["omniproxy"] / max(
                 1e-6, tp["sglang-router"])
@@ -261,16 +384,22 @@ def main() -> int:
             stop(proc)
     args.output.write_text(json.dumps(results, indent=2))
     print(f"Router overhead, open loop ({args.duration:.0f} s per rate), {args.workers} echo "
-          f"workers, policy {args.policy}, {os.cpu_count()} CPUs")
+          f"workers, policy {args.policy}, {os.cpu_count()} CPUs"
+          f"{', KV events' if args.kv_events else ''}"
+          f"{f', {args.prompt_tokens}-token prompts' if args.prompt_tokens else ''}")
     print(f"{'target':<15}{'req/s':>7}{'p50 ms':>10}{'p99 ms':>10}{'added p50':>11}"
-          f"{'added p99':>11}{'errors':>8}")
+          f"{'added p99':>11}{'cpu ms/req':>12}{'errors':>8}")
     for run in results["runs"].values():
         note = "  (client saturated)" if run.get("client_saturated") else ""
         print(f"{run['target']:<15}{run['rate']:>7.0f}{run['p50_ms']:>10.3f}{run['p99_ms']:>10.3f}"
               f"{run.get('added_p50_ms', 0.0):>11.3f}{run.get('added_p99_ms', 0.0):>11.3f}"
-              f"{run['errors']:>8}{note}")
-    for name, value in results["max_throughput_rps"].items():
-        print(f"max throughput {name:<14} {value:8.0f} req/s (closed loop, {args.concurrency} clients)")
+              f"{run['cpu_ms_per_request']:>12.3f}{run['errors']:>8}{note}")
+    print("cpu ms/req: the router's CPU time (user + system, all threads) per request sent; "
+          "for direct, the echo worker's")
+    for name, value in results.get("max_throughput_rps", {}).items():
+        cpu = results["throughput_cpu_ms_per_request"][name]
+        print(f"max throughput {name:<14} {value:8.0f} req/s (closed loop, {args.concurrency} "
+              f"clients; {cpu:.3f} cpu ms/req)")
     if "ratio_throughput_ours_over_rust" in results:
         print(f"max throughput ours / rust: {results['ratio_throughput_ours_over_rust']:.2f}x")
     _plot(curves, args.output.with_suffix(".png"))
