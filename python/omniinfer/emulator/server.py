@@ -268,7 +268,8 @@ class WorkerServer:
         if self.faults.reached(self.faults.disconnect_after_tokens, tokens):
             if http.transport is not None:
                 http.transport.close()
-            raise ConnectionResetError("disconnect_after_tokens fault")
+            # ends the handler as a client disconnect does (aiohttp logs no error for it)
+            raise asyncio.CancelledError("disconnect_after_tokens fault")
 
     async def _wait(self, http: web.Request, request: EmuRequest) -> None:
         async for _ in self._progress(http, request):
