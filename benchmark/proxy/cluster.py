@@ -37,7 +37,8 @@ class EmulatedCluster:
                  log_dir: Path, extra: tuple[str, ...] = (), kv_events: bool = False) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         events = kv_events_args if kv_events else list
-        self.procs = [EmulatorProcess(mode, profile, time_scale, extra_args=[*extra, *events()],
+        keep = ["--request-log-size", "0"]  # the request log is for tests: no memory for it here
+        self.procs = [EmulatorProcess(mode, profile, time_scale, extra_args=[*keep, *extra, *events()],
                                       log_path=log_dir / f"{mode}{i}.log")
                       for mode, count in (("prefill", n_prefill), ("decode", n_decode))
                       for i in range(count)]

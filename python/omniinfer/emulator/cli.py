@@ -43,7 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="publish the radix cache's KV events over ZMQ as SGLang does, e.g. "
                    '\'{"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": ""}\'')
-    p.add_argument("--request-log-size", type=int, default=1000, metavar="N",
+    p.add_argument("--request-log-size", type=int, default=256, metavar="N",
                    help="generation requests and aborts kept for GET /emulator/requests (0: none)")
     f = p.add_argument_group("faults", "switched at run time with POST /emulator/faults (JSON of "
                              "the same names without --fault-); DELETE /emulator/faults turns all off")

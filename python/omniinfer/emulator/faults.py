@@ -76,7 +76,7 @@ def _check(name: str, value: Any) -> int | float:
 class RequestLog:
     """The last ``size`` generation requests and every abort, as the worker received them."""
 
-    def __init__(self, size: int = 1000) -> None:
+    def __init__(self, size: int = 256) -> None:
         self.requests: collections.deque[dict[str, Any]] = collections.deque(maxlen=max(size, 0))
         self.aborts: collections.deque[dict[str, Any]] = collections.deque(maxlen=max(size, 0))
 

@@ -65,7 +65,7 @@ class WorkerServer:
         incremental_streaming_output: bool = False,
         kv_events_config: str | None = None,
         faults: Faults | None = None,
-        request_log_size: int = 1000,
+        request_log_size: int = 256,
     ) -> None:
         self.profile = profile
         self.port = port
