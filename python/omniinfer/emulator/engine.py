@@ -12,7 +12,7 @@ One asyncio task runs the loop an SGLang scheduler runs:
    unscaled time, so tests can check the schedule without waiting.
 
 PD: in ``prefill`` mode a request stops after its first token and its KV stays held until the
-paired decode worker has pulled it (``kv_ready``/``kv_fetched``); in ``decode`` mode a request
+paired decode worker has pulled it (``wait_room``/``kv_fetched``); in ``decode`` mode a request
 is registered while it waits for its prefill elsewhere (``begin_bootstrap``), then arrives with
 that prefill done (``submit_transferred``), waits for KV room, spends the transfer time, emits
 the prefill's first token and joins the decode batch.
