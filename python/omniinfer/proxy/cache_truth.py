@@ -61,11 +61,15 @@ class _Run:
 
     def ends(self, block_size: int) -> dict[int, tuple[int, ...]]:
         """Page hash -> the router blocks whose last token is in that page (pages with any)."""
-        out: dict[int, list[int]] = {}
-        for j, h in enumerate(self.hashes):
-            last = (j + 1) * block_size - 1 - len(self.tail)  # in ``tokens``; tail < one block
-            out.setdefault(self.pages[last // self.page], []).append(h)
-        return {page: tuple(blocks) for page, blocks in out.items()}
+        first = block_size - 1 - len(self.tail)  # block 0's last token in ``tokens``
+        owners = [self.pages[last // self.page]
+                  for last in range(first, first + len(self.hashes) * block_size, block_size)]
+        if self.page <= block_size:  # one block per page at most
+            return dict(zip(owners, zip(self.hashes, strict=True), strict=True))
+        out: dict[int, tuple[int, ...]] = {}
+        for owner, h in zip(owners, self.hashes, strict=True):
+            out[owner] = out.get(owner, ()) + (h,)
+        return out
 
     def place(self, page_hash: int, block_size: int) -> tuple[int, tuple[int, ...]]:
         """(router hash of the last full block before the page's end, tokens after it)."""
@@ -110,13 +114,18 @@ class PageChain:
                 self.stats.orphan_pages += count
                 return []
             previous, tail = parent.place(event.parent, self.block_size)
-        if not self._pages.keys().isdisjoint(event.hashes):
+        run = _Run(previous, tail, tokens, page, event.hashes, self.block_size)
+        ends = run.ends(self.block_size)
+        # Known pages (a replay, a repeated store) must not count twice. A page id names its
+        # whole token path, so a known page maps to the same place from either run; only the
+        # pages that end router blocks (and the first, where a replay starts) need the check.
+        if event.hashes[0] in self._pages or not self._ends.keys().isdisjoint(ends):
             return self._store_known(event, previous, tail)
-        return self._add(_Run(previous, tail, tokens, page, event.hashes, self.block_size))
+        return self._add(run, ends)
 
-    def _add(self, run: _Run) -> list[int]:
+    def _add(self, run: _Run, ends: dict[int, tuple[int, ...]] | None = None) -> list[int]:
         self._pages.update(zip(run.pages, itertools.repeat(run)))
-        self._ends.update(run.ends(self.block_size))
+        self._ends.update(run.ends(self.block_size) if ends is None else ends)
         self.stats.stored_pages += len(run.pages)
         return list(run.hashes)
 
