@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from proxy_helpers import get, post, sse_events, wait_until
 
 from omniinfer.emulator.process import EmulatorProcess
+from omniinfer.emulator.server import EXIT_STATUS
 from omniinfer.proxy.process import RouterProcess
 from omniinfer.proxy.workers import normalize_url
 
@@ -57,15 +58,16 @@ def test_worker_crashing_mid_stream_errors_only_its_clients(tmp_path: Path) -> N
                 return dict(zip(first + after, got, strict=True))
 
         results = asyncio.run(run())
-        assert a.process is not None and a.process.wait(timeout=10) != 0  # it did crash
+        assert a.process is not None and a.process.wait(timeout=10) == EXIT_STATUS  # it crashed
         assert wait_until(lambda: _counters_at_zero(router), 10)
     records = {r["client_rid"]: r for r in map(json.loads, log.read_text().splitlines())}
     on_a = {rid for rid, r in records.items()
             if normalize_url(a.url) in [d["worker"] for d in r["decisions"]]}
-    assert {f"s{i}" for i in range(0, 8, 2)} <= on_a  # round robin: every other first request
+    first_on_a = {rid for rid in on_a if rid.startswith("s")}
+    assert len(first_on_a) == 4  # round robin: half of the first wave
     errored = {rid for rid, events in results.items()
                if any(isinstance(e, dict) and "error" in e for e in events)}
-    assert errored and errored <= {f"s{i}" for i in range(0, 8, 2)}  # only streams a had begun
+    assert errored and errored <= first_on_a  # only streams the crashed worker had begun
     for rid, events in results.items():
         assert events[-1] == "[DONE]", rid
         tokens = [e["meta_info"]["completion_tokens"] for e in events[:-1] if "meta_info" in e]
