@@ -30,21 +30,27 @@ def kv_events_args() -> list[str]:
 
 
 class EmulatedCluster:
-    """``n_prefill`` prefill and ``n_decode`` decode emulators of one profile (each publishing
-    its KV events if ``kv_events``, for a router with ``--cache-truth kv-events``)."""
+    """``n_prefill`` prefill and ``n_decode`` decode emulators of one profile, or ``n_regular``
+    regular (non-PD) ones (each publishing its KV events if ``kv_events``, for a router with
+    ``--cache-truth kv-events``); ``cache_extra`` goes to the workers with a prefix cache only
+    (prefill and regular), e.g. a smaller ``--max-total-tokens``."""
 
     def __init__(self, n_prefill: int, n_decode: int, profile: str, time_scale: float,
-                 log_dir: Path, extra: tuple[str, ...] = (), kv_events: bool = False) -> None:
+                 log_dir: Path, extra: tuple[str, ...] = (), kv_events: bool = False,
+                 n_regular: int = 0, cache_extra: tuple[str, ...] = ()) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         events = kv_events_args if kv_events else list
         keep = ["--request-log-size", "0"]  # the request log is for tests: no memory for it here
-        self.procs = [EmulatorProcess(mode, profile, time_scale, extra_args=[*keep, *extra, *events()],
+        self.procs = [EmulatorProcess(mode, profile, time_scale, extra_args=[
+                          *keep, *extra, *(cache_extra if mode != "decode" else ()), *events()],
                                       log_path=log_dir / f"{mode}{i}.log")
-                      for mode, count in (("prefill", n_prefill), ("decode", n_decode))
+                      for mode, count in (("prefill", n_prefill), ("decode", n_decode),
+                                          ("null", n_regular))
                       for i in range(count)]
         self.prefill: list[tuple[str, int]] = [(w.url, int(w.bootstrap_port or 0)) for w in self.procs
                                                if w.mode == "prefill"]  # (url, bootstrap port)
         self.decode: list[str] = [w.url for w in self.procs if w.mode == "decode"]
+        self.regular: list[str] = [w.url for w in self.procs if w.mode == "null"]
         try:
             for proc in self.procs:  # all at once, then wait for each
                 proc.launch()
@@ -55,12 +61,12 @@ class EmulatedCluster:
             raise
 
     def urls(self) -> list[str]:
-        return [u for u, _ in self.prefill] + self.decode
+        return [u for u, _ in self.prefill] + self.decode + self.regular
 
     def prefill_busy_s(self) -> list[float]:
-        """Each prefill worker's cumulative busy time (wall seconds, from /v1/loads)."""
+        """Each prefill (or regular) worker's cumulative prefill time (wall s, /v1/loads)."""
         out = []
-        for url, _ in self.prefill:
+        for url in [u for u, _ in self.prefill] + self.regular:
             with urllib.request.urlopen(url + "/v1/loads", timeout=5) as r:
                 out.append(sum(load["total_prefill_busy_us"] for load in json.load(r)["loads"]) / 1e6)
         return out
@@ -86,11 +92,19 @@ class EmulatedCluster:
             proc.stop()
 
 
+def _roles(cluster: EmulatedCluster, prefill_policy: str, decode_policy: str) -> list[str]:
+    """PD: both roles' policies; regular workers: one policy over them (the prefill one)."""
+    if cluster.regular:
+        return ["--policy", prefill_policy, "--worker-urls", *cluster.regular]
+    return ["--pd-disaggregation", "--prefill-policy", prefill_policy,
+            "--decode-policy", decode_policy]
+
+
 def omni_router_args(cluster: EmulatedCluster, prefill_policy: str, decode_policy: str,
                      access_log: Path | None = None, cache_truth: str = "router",
                      ttft_slo_secs: float | None = None) -> list[str]:
-    args = ["--pd-disaggregation", "--cache-truth", cache_truth,
-            "--prefill-policy", prefill_policy, "--decode-policy", decode_policy, "--log-level", "warn",
+    roles = _roles(cluster, prefill_policy, decode_policy)
+    args = [*roles, "--cache-truth", cache_truth, "--log-level", "warn",
             "--loads-poll-interval-secs", "0.5", "--max-concurrent-requests", "4096"]
     for url, boot in cluster.prefill:
         args += ["--prefill", url, str(boot)]
@@ -105,9 +119,9 @@ def omni_router_args(cluster: EmulatedCluster, prefill_policy: str, decode_polic
 
 def sglang_router_command(cluster: EmulatedCluster, prefill_policy: str, decode_policy: str,
                           port: int) -> list[str]:
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-           "--host", "127.0.0.1", "--port", str(port), "--prefill-policy", prefill_policy,
-           "--decode-policy", decode_policy, "--log-level", "warn"]
+    roles = _roles(cluster, prefill_policy, decode_policy)
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", *roles,
+           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"]
     for url, boot in cluster.prefill:
         cmd += ["--prefill", url, str(boot)]
     for url in cluster.decode:
