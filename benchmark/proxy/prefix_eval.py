@@ -1,0 +1,302 @@
+"""OmniProxy against the SGLang router where the prefix cache decides: an open-loop rate sweep.
+
+Emulated ``h100-llama3-8b`` clusters — 8 regular workers (``8R``) and 4 prefill + 1 decode
+(``4P1D``) — whose caching workers (regular, prefill) get a KV pool of ``--cache-tokens`` so
+that the workload's shared prefixes do not all fit and eviction happens, each publishing SGLang's
+KV events. Workloads (``omniinfer bench``'s builders, prompts cut from real text with the
+SmolLM2 tokenizer): ``prefix-groups`` (llm-d's shape: groups x shared prefix x users x fresh
+query) and ``multi-turn`` (each turn extends the previous prompt and answer). At each rate
+(model requests per second per caching worker; Poisson arrivals, the same for every router)
+every target runs in turn, each on flushed caches with a fresh router: OmniProxy ``oas`` with
+its own prefix index, ``oas`` with KV-event cache truth, our ``cache_aware``, and the Rust
+``sglang_router`` (PyPI) with ``round_robin``, ``cache_aware`` and ``power_of_two``. Times are
+converted to model seconds; the first ``--warmup-share`` of requests warms the caches and is not
+measured. Goodput = measured requests within the SLO (TTFT and TPOT) per model minute of their
+send window. ``--repeats`` repeats the sweep (targets rotated); the report gives medians,
+spreads and per-repeat paired ratios, a PNG per cluster, ``results.json`` and ``tables.md``.
+
+    python benchmark/proxy/prefix_eval.py --quick                  # smoke run
+    python benchmark/proxy/prefix_eval.py --rates 4,6,9 --repeats 2 # a sized full run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+from cluster import (  # noqa: E402
+    EmulatedCluster,
+    free_port,
+    omni_router_args,
+    omni_router_command,
+    sglang_router_command,
+    start_router,
+)
+from oas_eval import router_state, to_model_time  # noqa: E402
+from prefix_report import write_report  # noqa: E402
+
+from omniinfer.bench.client import RequestResult  # noqa: E402
+from omniinfer.bench.prefix_workloads import PREFIX_WORKLOADS  # noqa: E402
+from omniinfer.bench.runner import run_trace_replay  # noqa: E402
+from omniinfer.bench.workloads import BenchRequest, WorkloadSpec, poisson_arrivals  # noqa: E402
+
+CLUSTERS = {"8R": (0, 0, 8), "4P1D": (4, 1, 0)}  # (prefill, decode, regular)
+TARGETS = ("omni:oas", "omni:oas@kv-events", "omni:cache_aware", "sglang:round_robin",
+           "sglang:cache_aware", "sglang:power_of_two")
+TOKENIZER = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
+RUN_OVERHEAD_S = 8.0  # flush, router start and stop per run (for the time estimate)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str  # "omni:oas@kv-events"
+    router: str  # "omni" | "sglang"
+    policy: str
+    truth: str = "router"  # what fills OmniProxy's prefix index
+
+    @classmethod
+    def parse(cls, name: str) -> Target:
+        router, _, rest = name.partition(":")
+        policy, _, truth = rest.partition("@")
+        if router not in ("omni", "sglang") or not policy or (truth and router != "omni"):
+            raise ValueError(f"bad target {name!r}: omni:POLICY[@kv-events] or sglang:POLICY")
+        return cls(name, router, policy, truth or "router")
+
+
+def caching_workers(cluster: str) -> int:
+    n_prefill, _, n_regular = CLUSTERS[cluster]
+    return n_prefill + n_regular
+
+
+def build_requests(args: argparse.Namespace, workload: str, rate: float, tokenizer: Any,
+                   seed: int) -> list[BenchRequest]:
+    """The workload with Poisson arrivals at ``rate`` model requests/s (the whole cluster)."""
+    spec = WorkloadSpec(
+        num_requests=args.requests, output_len=args.output_len, seed=args.seed,
+        prefix_len=args.prefix_len, num_groups=args.groups, users_per_group=args.users_per_group,
+        query_len=args.query_len, conversations=math.ceil(args.requests / args.turns),
+        turns=args.turns, turn_len=args.turn_len, think_s=args.think_time,
+        max_total_len=8000, vocab_size=49152)
+    return poisson_arrivals(PREFIX_WORKLOADS[workload](spec, tokenizer), rate, seed)
+
+
+def measure(results: list[RequestResult], args: argparse.Namespace) -> dict[str, Any]:
+    """Model-time figures of the requests after the warm-up share (by send time)."""
+    ordered = sorted(results, key=lambda r: r.start)
+    measured = ordered[int(len(ordered) * args.warmup_share):]
+    ok = [r for r in measured if r.ok and r.ttft is not None]
+
+    def good(r: RequestResult) -> bool:
+        return r.ttft is not None and r.ttft <= args.slo_ttft and (
+            r.tpot is None or r.tpot <= args.slo_tpot)
+
+    window = max((measured[-1].start - measured[0].start) if measured else 0.0, 1e-9) / 60.0
+    ttfts = np.array([r.ttft for r in ok], dtype=float)
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    reported = [r for r in ok if r.cached_tokens is not None]
+
+    def pct(p: float) -> float | None:
+        return float(np.percentile(ttfts, p)) if ttfts.size else None
+
+    return {"measured": len(measured), "errors": sum(1 for r in measured if not r.ok),
+            "error_samples": [r.error for r in measured if not r.ok][:3],
+            "good": sum(1 for r in ok if good(r)), "goodput_qpm": sum(map(good, ok)) / window,
+            "qpm": len(ok) / window, "slo_share": sum(map(good, ok)) / max(1, len(measured)),
+            "p50_ttft_s": pct(50), "p90_ttft_s": pct(90), "p99_ttft_s": pct(99),
+            "p50_tpot_ms": 1e3 * statistics.median(tpots) if tpots else None,
+            "cached_share": (sum(r.cached_tokens or 0 for r in reported)
+                             / max(1, sum(r.prompt_tokens for r in reported))
+                             if reported else None)}
+
+
+def router_command(target: Target, cluster: EmulatedCluster, port: int,
+                   args: argparse.Namespace) -> list[str]:
+    if target.router == "omni":
+        slo = args.slo_ttft * args.time_scale  # OAS's objective, in wall seconds
+        return omni_router_command(omni_router_args(cluster, target.policy, target.policy,
+                                                    None, target.truth, slo), port)
+    # sglang-router refuses power_of_two over one decode worker; one choice is no choice
+    decode = target.policy if len(cluster.decode) > 1 else "round_robin"
+    return sglang_router_command(cluster, target.policy, decode, port)
+
+
+def run_one(target: Target, cluster: EmulatedCluster, requests: list[BenchRequest],
+            args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    """Flushed caches, a fresh router, the open-loop run; the measured figures."""
+    cluster.flush()
+    port = free_port()
+    log = log_dir / f"{target.name.replace(':', '_').replace('@', '_')}.log"
+    router = start_router(router_command(target, cluster, port, args), port, log)
+    state: dict[str, Any] = {}
+    try:
+        results, _ = asyncio.run(run_trace_replay(
+            f"http://127.0.0.1:{port}", requests, args.time_scale, progress=False,
+            timeout_s=600))
+        if target.router == "omni":
+            state = router_state(port)
+    finally:
+        router.stop()
+    row = measure(to_model_time(results, args.time_scale), args)
+    row["cache_prediction"] = state.get("cache_prediction")
+    return row
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, str, float]]:
+    """(cluster, workload, rate per caching worker) points, in run order; a quick run sweeps
+    only its first workload and runs the others at the highest rate."""
+    return [(c, w, r) for c in args.clusters for i, w in enumerate(args.workloads)
+            for r in (args.rates if not args.quick or i == 0 else args.rates[-1:])]
+
+
+def estimate_s(args: argparse.Namespace) -> float:
+    """Wall seconds the sweep should take: every run's requests at its rate, plus overheads."""
+    total = 0.0
+    for cluster, _, rate in plan(args):
+        wall_rate = rate * caching_workers(cluster) / args.time_scale
+        total += len(args.targets) * (args.requests / wall_rate + RUN_OVERHEAD_S + 5.0)
+    return total * args.repeats
+
+
+def _shown(path: Path) -> str:
+    """A path as results record it: relative to the repository when inside it."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # so the finally blocks stop every process group we started
+
+
+def _load_tokenizer(path: str) -> Any:
+    if path == "none":
+        return None
+    if not Path(path).exists():
+        raise SystemExit(f"prefix_eval: tokenizer {path} not found; pass --tokenizer PATH "
+                         "or --tokenizer none (random token ids)")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 48 requests per run, 1 repeat, the first workload at 2 "
+                   "rates and the others at the higher one (about 15 min on a busy 2-core box)")
+    p.add_argument("--clusters", default="8R,4P1D", help=f"comma list of {', '.join(CLUSTERS)}")
+    p.add_argument("--workloads", default="prefix-groups,multi-turn",
+                   help=f"comma list of {', '.join(PREFIX_WORKLOADS)}")
+    p.add_argument("--rates", default="3,4.5,6.75,10.125",
+                   help="model requests/s per caching worker (regular or prefill), comma list; "
+                   "1.5x steps let the report judge the knee and 1.5x the knee")
+    p.add_argument("--repeats", type=int, default=1, help="repeat the sweep (targets rotated)")
+    p.add_argument("--targets", default=",".join(TARGETS), help="comma list of router:policy")
+    p.add_argument("--requests", type=int, default=192, help="requests per run")
+    p.add_argument("--warmup-share", type=float, default=0.25,
+                   help="first share of requests (by send time) warms the caches, unmeasured")
+    p.add_argument("--time-scale", type=float, default=8.0,
+                   help="wall seconds per model second of the emulators (slack for a busy box)")
+    p.add_argument("--cache-tokens", type=int, default=32768,
+                   help="KV pool of each caching worker (the profile has 395,000): below the "
+                   "workload's distinct prefixes, so a router that spreads a group evicts")
+    p.add_argument("--groups", type=int, default=24)
+    p.add_argument("--prefix-len", type=int, default=3072)
+    p.add_argument("--users-per-group", type=int, default=4)
+    p.add_argument("--query-len", type=int, default=256)
+    p.add_argument("--turns", type=int, default=6, help="multi-turn: turns per chat")
+    p.add_argument("--turn-len", type=int, default=384, help="multi-turn: new tokens per turn")
+    p.add_argument("--think-time", type=float, default=1.0, help="multi-turn: model seconds")
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--slo-ttft", type=float, default=1.0, help="model seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.050, help="model seconds")
+    p.add_argument("--tokenizer", default=str(TOKENIZER), help="prompt text's tokenizer, or none")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", type=Path, default=HERE.parent / "results" / "proxy" / "prefix")
+    p.add_argument("--log-dir", type=Path, default=None, help="default: OUTPUT_DIR/logs")
+    p.add_argument("--docs", type=Path, default=None,
+                   help="replace the generated block of the prefix section in this file")
+    args = p.parse_args()
+    if args.quick:
+        args.rates = "4.5,10.125" if args.rates == p.get_default("rates") else args.rates
+        args.requests = 48 if args.requests == p.get_default("requests") else args.requests
+        args.repeats = 1
+    args.clusters = args.clusters.split(",")
+    args.workloads = args.workloads.split(",")
+    args.rates = [float(r) for r in args.rates.split(",")]
+    args.targets = [Target.parse(t) for t in args.targets.split(",")]
+    unknown = ([c for c in args.clusters if c not in CLUSTERS]
+               + [w for w in args.workloads if w not in PREFIX_WORKLOADS])
+    if unknown or not all(r > 0 for r in args.rates) or not 0 <= args.warmup_share < 1:
+        p.error(f"bad --clusters/--workloads/--rates/--warmup-share ({', '.join(unknown)})")
+    return args
+
+
+def main() -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
+    args = parse_args()
+    tokenizer = _load_tokenizer(args.tokenizer)
+    out_dir: Path = args.output_dir
+    log_root = args.log_dir or out_dir / "logs"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    points = plan(args)
+    print(f"{len(points)} points x {len(args.targets)} targets x {args.repeats} repeats; "
+          f"estimated {estimate_s(args) / 60:.0f} min", flush=True)
+    rows: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    bar = tqdm(total=len(points) * len(args.targets) * args.repeats, unit="run")
+    for name in args.clusters:
+        n_prefill, n_decode, n_regular = CLUSTERS[name]
+        cluster = EmulatedCluster(n_prefill, n_decode, "h100-llama3-8b", args.time_scale,
+                                  log_root / name, kv_events=True, n_regular=n_regular,
+                                  cache_extra=("--max-total-tokens", str(args.cache_tokens)))
+        try:
+            for repeat in range(args.repeats):
+                for k, (_, workload, rate) in enumerate(p for p in points if p[0] == name):
+                    total_rate = rate * caching_workers(name)
+                    requests = build_requests(args, workload, total_rate, tokenizer,
+                                              args.seed + 1000 * repeat + k)
+                    shift = repeat % len(args.targets)  # no target always runs first
+                    for target in args.targets[shift:] + args.targets[:shift]:
+                        bar.set_description(f"{name} {workload} {rate:g} {target.name}")
+                        key = {"cluster": name, "workload": workload, "rate": rate,
+                               "target": target.name, "repeat": repeat}
+                        try:
+                            row = {**key, **run_one(target, cluster, requests, args,
+                                                    log_root / name)}
+                        except RuntimeError as exc:  # one broken run must not end the others
+                            row = {**key, "failed": str(exc)[:2000]}
+                        rows.append(row)
+                        bar.update(1)
+                        (out_dir / "results.partial.json").write_text(json.dumps(rows))
+        finally:
+            cluster.stop()
+    bar.close()
+    meta = {**vars(args), "targets": [t.name for t in args.targets],
+            "tokenizer": Path(args.tokenizer).name, "output_dir": _shown(args.output_dir),
+            "log_dir": _shown(log_root), "docs": _shown(args.docs) if args.docs else None}
+    meta["wall_s"] = time.monotonic() - t0
+    (out_dir / "results.json").write_text(json.dumps({"meta": meta, "runs": rows}, indent=1))
+    print(write_report(rows, out_dir, args.docs))
+    print(f"wall {meta['wall_s'] / 60:.1f} min; wrote {out_dir}/results.json, tables.md, "
+          "prefix_*.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
