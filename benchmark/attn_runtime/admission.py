@@ -14,15 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import threading
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+from burst import serve_burst
+
 from omniinfer.attn import evaluator, text
 from omniinfer.attn.pattern import load
-from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
 
 HERE = Path(__file__).resolve().parent
 SEARCHED = HERE.parents[1] / "python" / "omniinfer" / "attn" / "patterns" / "smollm2-135m.json"
@@ -44,65 +42,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _post(url: str, body: dict[str, Any], timeout: float = 3600.0) -> Any:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as reply:
-        return json.loads(reply.read())
-
-
-def _running(base_url: str) -> int:
-    try:
-        with urllib.request.urlopen(f"{base_url}/v1/loads", timeout=10) as reply:
-            loads = json.loads(reply.read())
-    except OSError:
-        return 0
-    rows = loads.get("loads", [loads]) if isinstance(loads, dict) else loads
-    return sum(int(r.get("num_running_reqs", 0)) for r in rows if isinstance(r, dict))
-
-
-def burst(base_url: str, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    """Send every prompt at once; sample the running count until all are done."""
-    results: list[Any] = [None] * len(prompts)
-
-    def one(i: int) -> None:
-        results[i] = _post(f"{base_url}/generate", {
-            "input_ids": prompts[i],
-            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0,
-                                "ignore_eos": True},
-        })
-
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
-    began = time.perf_counter()
-    for t in threads:
-        t.start()
-    peak, samples = 0, []
-    while any(t.is_alive() for t in threads):
-        running = _running(base_url)
-        peak = max(peak, running)
-        samples.append(running)
-        time.sleep(0.5)
-    for t in threads:
-        t.join()
-    seconds = time.perf_counter() - began
-    tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
-    return {"peak_running": peak, "seconds": seconds, "output_tokens": tokens,
-            "output_tokens_per_s": tokens / seconds, "running_samples": samples}
-
-
 def run_server(args: argparse.Namespace, prompts: list[list[int]], extra: list[str],
                log: Path) -> dict[str, Any]:
-    port = free_port()
-    extra = ["--chunked-prefill-size", str(args.chunked_prefill_size), *extra]
-    command = cpu_server_command(args.model, port, args.max_total_tokens, extra_args=extra)
-    with SGLangServer(command, cpu_env(), log, port, ready_timeout_s=900) as server:
-        result = burst(server.base_url, prompts, args.new_tokens)
-        if "--omni-attn-pattern" in extra:
-            with urllib.request.urlopen(f"{server.base_url}/omni/attn", timeout=10) as reply:
-                result["omni_attn"] = json.loads(reply.read())
-            pattern = result["omni_attn"].get("pattern", {})
-            pattern["model"] = Path(pattern.get("model", "")).name  # no local paths in results
+    result, status = serve_burst(args.model, args.max_total_tokens, args.chunked_prefill_size,
+                                 extra, log, prompts, args.new_tokens)
+    if status is not None:
+        pattern = status.get("pattern", {})
+        pattern["model"] = Path(pattern.get("model", "")).name  # no local paths in results
+        result["omni_attn"] = status
     return result
 
 

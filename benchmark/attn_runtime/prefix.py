@@ -22,15 +22,14 @@ import argparse
 import json
 import os
 import tempfile
-import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+from burst import serve_burst
+
 from omniinfer.attn import evaluator, runtime_window, text
 from omniinfer.attn.pattern import load
-from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
 
 HERE = Path(__file__).resolve().parent
 SEARCHED = HERE.parents[1] / "python" / "omniinfer" / "attn" / "patterns" / "smollm2-135m.json"
@@ -66,55 +65,6 @@ def workload(args: argparse.Namespace) -> list[list[int]]:
     return [prompts[i % args.prefixes] + questions[i] for i in range(args.requests)]
 
 
-def _post(url: str, body: dict[str, Any], timeout: float = 3600.0) -> Any:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as reply:
-        return json.loads(reply.read())
-
-
-def _running(base_url: str) -> int:
-    try:
-        with urllib.request.urlopen(f"{base_url}/v1/loads", timeout=10) as reply:
-            loads = json.loads(reply.read())
-    except OSError:
-        return 0
-    rows = loads.get("loads", [loads]) if isinstance(loads, dict) else loads
-    return sum(int(r.get("num_running_reqs", 0)) for r in rows if isinstance(r, dict))
-
-
-def burst(base_url: str, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    """Send every prompt at once, sample the running count; totals over all replies."""
-    replies: list[Any] = [None] * len(prompts)
-
-    def one(i: int) -> None:
-        replies[i] = _post(f"{base_url}/generate", {
-            "input_ids": prompts[i],
-            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0,
-                                "ignore_eos": True},
-        })
-
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
-    began = time.perf_counter()
-    for t in threads:
-        t.start()
-    peak = 0
-    while any(t.is_alive() for t in threads):
-        peak = max(peak, _running(base_url))
-        time.sleep(0.5)
-    for t in threads:
-        t.join()
-    seconds = time.perf_counter() - began
-    assert all(r is not None for r in replies), "a request failed"
-    meta = [r["meta_info"] for r in replies]
-    output = sum(m["completion_tokens"] for m in meta)
-    prompt = sum(m["prompt_tokens"] for m in meta)
-    cached = sum(m.get("cached_tokens", 0) for m in meta)
-    return {"peak_running": peak, "seconds": seconds, "output_tokens": output,
-            "output_tokens_per_s": output / seconds, "prompt_tokens": prompt,
-            "cached_tokens": cached, "cache_hit_rate": cached / max(1, prompt)}
-
-
 def _relative(arg: str) -> str:
     root = Path(__file__).resolve().parents[2]
     path = Path(arg)
@@ -127,20 +77,15 @@ def _loadavg() -> float:
 
 def run_server(args: argparse.Namespace, name: str, prompts: list[list[int]],
                extra: list[str], work: Path) -> dict[str, Any]:
-    port = free_port()
-    extra = ["--chunked-prefill-size", str(args.chunked_prefill_size), *extra]
-    command = cpu_server_command(args.model, port, args.max_total_tokens, extra_args=extra)
     # Paths in the record are relative to the repository, so results carry no machine paths.
-    shown = [_relative(a) for a in extra]
-    record: dict[str, Any] = {"args": shown, "load_before": _loadavg()}
-    with SGLangServer(command, cpu_env(), work / f"{name}.log", port,
-                      ready_timeout_s=900) as server:
-        record.update(burst(server.base_url, prompts, args.new_tokens))
-        if "--omni-attn-pattern" in extra:
-            with urllib.request.urlopen(f"{server.base_url}/omni/attn", timeout=10) as reply:
-                status = json.loads(reply.read())
-            record["pools"] = status["pools"]
-            record["radix"] = status.get("radix")
+    shown = ["--chunked-prefill-size", str(args.chunked_prefill_size), *extra]
+    record: dict[str, Any] = {"args": [_relative(a) for a in shown], "load_before": _loadavg()}
+    result, status = serve_burst(args.model, args.max_total_tokens, args.chunked_prefill_size,
+                                 extra, work / f"{name}.log", prompts, args.new_tokens)
+    record.update(result)
+    if status is not None:
+        record["pools"] = status["pools"]
+        record["radix"] = status.get("radix")
     record["load_after"] = _loadavg()
     print(f"{name}: {record['output_tokens_per_s']:.2f} output tok/s, hit rate "
           f"{record['cache_hit_rate']:.2%}, peak running {record['peak_running']}, "
