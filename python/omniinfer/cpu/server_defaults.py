@@ -26,9 +26,10 @@ Why each one:
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 from collections.abc import MutableMapping
+
+from omniinfer.net import is_loopback
 
 PD_MOONCAKE_ENV = "OMNIINFER_CPU_PD_MOONCAKE"
 PD_POLL_MS_ENV = "OMNIINFER_CPU_PD_POLL_MS"
@@ -36,17 +37,6 @@ PD_POLL_MS_DEFAULT = "2"
 EARLY_SEND_ENV = "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"
 HOST_IP_ENV = "SGLANG_HOST_IP"
 MOONCAKE_BACKENDS = ("mooncake", "mooncake_tcp")
-
-
-def _is_loopback(host: str | None) -> bool:
-    if not host:
-        return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def apply_cpu_server_defaults(
@@ -80,7 +70,7 @@ def apply_cpu_server_defaults(
     if mode == "decode" and getattr(namespace, "disaggregation_decode_retraction_backup", None) is None:
         namespace.disaggregation_decode_retraction_backup = "cpu_tensor"
         changes.append("--disaggregation-decode-retraction-backup cpu_tensor (host pool needs CUDA)")
-    if HOST_IP_ENV not in env and "HOST_IP" not in env and _is_loopback(getattr(namespace, "host", None)):
+    if HOST_IP_ENV not in env and "HOST_IP" not in env and is_loopback(getattr(namespace, "host", None)):
         env[HOST_IP_ENV] = "127.0.0.1"
         changes.append(f"{HOST_IP_ENV}=127.0.0.1 (the server listens on loopback only)")
     return changes

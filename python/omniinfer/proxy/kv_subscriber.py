@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import ipaddress
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -42,6 +41,7 @@ from omniinfer.kv_events import (
     seq_from,
     split_tcp,
 )
+from omniinfer.net import is_loopback as _loopback
 from omniinfer.proxy.cache_truth import SequenceCheck, WorkerCacheTruth
 from omniinfer.proxy.prefix import PrefixIndex
 from omniinfer.proxy.workers import Role, Worker
@@ -88,15 +88,6 @@ def _ranks(value: Any, max_ranks: int) -> int:
         raise NoEvents(f"dp_size {value!r} is not within 1..{max_ranks} "
                        "(--kv-events-max-dp-size)")
     return value
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _dial(endpoint: str, rank: int, worker_host: str) -> str:
