@@ -32,7 +32,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ sys.path.insert(0, str(ROOT / "python"))
 from omniinfer.bench.client import BACKENDS, RequestResult, send  # noqa: E402
 from omniinfer.bench.runner import run_closed_loop  # noqa: E402
 from omniinfer.bench.workloads import BenchRequest, TokenSource  # noqa: E402
+from omniinfer.emulator.process import EmulatorProcess  # noqa: E402
 from omniinfer.emulator.profile import load_profile, profile_from_dict  # noqa: E402
 
 MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
@@ -239,20 +239,6 @@ transfer:
 """
 
 
-def start_emulator(profile_path: Path, port: int, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "omniinfer", "emulate-worker", "--profile", str(profile_path),
-           "--port", str(port), "--time-scale", "1"]
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    for _ in range(100):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-            return proc
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit(f"emulator did not start; log: {log}")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--real-url", default=None, help="a running real server (default: start one)")
@@ -292,16 +278,10 @@ def main() -> int:
         path = Path(tmp) / "cpu-smollm2.yaml"
         path.write_text(text)
         profile_from_dict(__import__("yaml").safe_load(text), str(path))  # validates
-        from omniinfer.launch import free_port as fp
-
-        port = fp()
         print("validation workload on the emulator ...", flush=True)
-        proc = start_emulator(path, port, Path(tmp) / "emulator.log")
-        try:
-            emu = medians(run(f"http://127.0.0.1:{port}", validation, 4))
-        finally:
-            proc.terminate()
-            proc.wait()
+        with EmulatorProcess(profile=str(path), time_scale=1.0,
+                             log_path=Path(tmp) / "emulator.log") as emulator:
+            emu = medians(run(emulator.url, validation, 4))
     err_ttft = emu["median_ttft_s"] / real["median_ttft_s"] - 1.0
     err_tpot = emu["median_tpot_s"] / real["median_tpot_s"] - 1.0
     print()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import sys
 import time
 import urllib.request
@@ -58,14 +57,6 @@ class PDServer(SGLangServer):
         if self.mode == "prefill":
             return ["--prefill", self.base_url, str(self.bootstrap_port)]
         return ["--decode", self.base_url]
-
-    def kill(self) -> None:
-        """SIGKILL the whole server (scheduler and detokenizer too), as a crashed machine."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(os.getpgid(self.process.pid), signal.SIGKILL)
-        self.process.wait()
 
 
 def pd_server(model: str | Path, mode: str, log_dir: Path, max_total_tokens: int = 16384,

@@ -8,7 +8,6 @@ transfers between two gloo ranks.
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 import numpy as np
@@ -18,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from omniinfer import platform
+from omniinfer.launch import free_port
 from omniinfer.placement.staging import HostCopy, SlotStager, StagedWeights
 from omniinfer.placement.transfers import plan_slot_copies
 
@@ -105,12 +105,6 @@ def _never(*_a: Any, **_k: Any) -> Any:
     raise AssertionError("a local migration must not transfer between ranks")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _two_rank_worker(rank: int, port: int, results: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -131,7 +125,7 @@ def _two_rank_worker(rank: int, port: int, results: Any) -> None:
 def test_two_gloo_ranks_exchange_slots_point_to_point() -> None:
     manager = mp.get_context("spawn").Manager()
     results = manager.dict()
-    mp.start_processes(_two_rank_worker, args=(_free_port(), results), nprocs=2,
+    mp.start_processes(_two_rank_worker, args=(free_port(), results), nprocs=2,
                        start_method="spawn", join=True)
     rank0, rank1 = results[0], results[1]
     # rank 0 slot 2 now holds rank 1's local slot 1 (expert 4); rank 1 slot 1 holds expert 0
