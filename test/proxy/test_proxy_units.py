@@ -3,8 +3,13 @@ policies, registry and flag parsing (no servers)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import random
+import re
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,7 +24,7 @@ from omniinfer.proxy.base import (
     register_policy,
 )
 from omniinfer.proxy.circuit import BreakerState, CircuitBreaker
-from omniinfer.proxy.cli import add_arguments
+from omniinfer.proxy.cli import add_arguments, resolve
 from omniinfer.proxy.config import RouterConfig, config_from_args, parse_prefill
 from omniinfer.proxy.lifecycle import PHASE_NAMES, Lifecycle, Phase
 from omniinfer.proxy.prefix import PrefixIndex, block_hashes
@@ -180,8 +185,6 @@ def test_registry_takes_a_new_policy_in_one_class() -> None:
 
 
 def test_prefill_flag_pairs_like_sglang_router() -> None:
-    import argparse
-
     p = argparse.ArgumentParser()
     add_arguments(p)
     args = p.parse_args(["--pd-disaggregation", "--prefill", "http://p1:8000", "9000",
@@ -202,6 +205,66 @@ def test_prefill_flag_pairs_like_sglang_router() -> None:
     assert config_from_args(p.parse_args([*pd, "--oas-ttft-slo-secs", "2"])).oas_ttft_slo_secs == 2
     with pytest.raises(ValueError, match="--oas-ttft-slo-secs must be positive"):
         config_from_args(p.parse_args([*pd, "--oas-ttft-slo-secs", "0"]))
+
+
+def _resolve(tmp_path: Path, file: dict[str, Any], *flags: str) -> RouterConfig:
+    path = tmp_path / "router.json"
+    path.write_text(json.dumps(file))
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return resolve(p.parse_args(["--config", str(path), *flags]))
+
+
+def test_config_file_fills_flags_not_given_and_never_overrides_one_given(tmp_path: Path
+                                                                         ) -> None:
+    pd = {"pd_disaggregation": True, "prefill": [["http://p1:1", 9000], "http://p2:2"],
+          "decode": ["http://d:1"]}
+    config = _resolve(tmp_path, {**pd, "policy": "round_robin", "port": 31000,
+                                 "disable-retries": True, "kv_events_max_pages": 64})
+    assert (config.policy, config.port, config.disable_retries) == ("round_robin", 31000, True)
+    assert config.prefill_urls == [("http://p1:1", 9000), ("http://p2:2", None)]
+    assert config.decode_urls == ["http://d:1"] and config.kv_events_max_pages == 64
+    # given at its default value, a flag still wins; a repeated flag replaces the file's list
+    config = _resolve(tmp_path, {**pd, "policy": "round_robin", "cache_threshold": 0.9},
+                      "--policy", "cache_aware", "--cache-threshold", "0.5",
+                      "--prefill", "http://p3:3")
+    assert (config.policy, config.cache_threshold) == ("cache_aware", 0.5)
+    assert config.prefill_urls == [("http://p3:3", None)]
+    assert _resolve(tmp_path, {"worker_urls": ["http://w:1"], "disable_retries": False},
+                    ).disable_retries is False
+
+
+@pytest.mark.parametrize("file, message", [
+    ({"polcy": "oas"}, "unknown key 'polcy'"),
+    ({"prefill_urls": [["http://p:1"]]}, "unknown key 'prefill_urls'"),  # a field, not a flag
+    ({"pol": "oas"}, "unknown key 'pol'"),  # no abbreviations
+    ({"port": "x"}, "port: argument --port: invalid int value"),
+    ({"port": True}, "port: argument --port: expected one argument"),
+    ({"cache_truth": "guess"}, "cache_truth: argument --cache-truth: invalid choice"),
+    ({"decode": "http://d:1"}, "decode: expected a list"),
+    ({"api_key": None}, "api_key: expected a string"),
+    ({"config": "other.json"}, "cannot name another"),
+])
+def test_config_file_errors_name_the_key(tmp_path: Path, file: dict[str, Any],
+                                         message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _resolve(tmp_path, {"worker_urls": ["http://w:1"], **file})
+
+
+def test_router_command_line_reports_a_bad_config_file_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from omniinfer.proxy import server
+    from omniinfer.proxy.cli import main
+
+    monkeypatch.setattr(server, "serve", lambda config: 0)  # a config that passes starts nothing
+    path = tmp_path / "router.json"
+    path.write_text('{"worker_urls": ["http://w:1"], "polcy": "oas"}')
+    assert main(["--config", str(path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"omniinfer router: error: --config {path}: unknown key 'polcy' (keys are flag names)"]
+    assert main(["--config", str(tmp_path / "missing.json")]) == 2
+    assert "No such file" in capsys.readouterr().err
 
 
 def test_tokenization_shapes_and_errors() -> None:

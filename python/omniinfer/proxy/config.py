@@ -1,13 +1,11 @@
-"""The router's one configuration surface: ``sglang_router.launch_router``-compatible flags,
-optionally mirrored in a JSON file (``--config``, keys are flag names without dashes)."""
+"""The router's one configuration surface: ``sglang_router.launch_router``-compatible flags
+(``cli``), optionally mirrored in a JSON file (``--config``, keys are flag names), into these
+typed fields, which hold every default."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-from pathlib import Path
-from typing import Any
 
 
 @dataclasses.dataclass
@@ -153,20 +151,12 @@ def parse_prefill(entries: list[list[str]] | None) -> list[tuple[str, int | None
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
-    values: dict[str, Any] = {}
+    """A validated config from parsed flags; a flag absent (or None) keeps its default."""
+    given = vars(args)
     names = {f.name for f in dataclasses.fields(RouterConfig)}
-    for key, value in vars(args).items():
-        if key in names and value is not None:
-            values[key] = value
-    values["prefill_urls"] = parse_prefill(getattr(args, "prefill", None))
-    values["decode_urls"] = [d[0] for d in getattr(args, "decode", None) or []]
+    values = {k: v for k, v in given.items() if k in names and v is not None}
+    values["prefill_urls"] = parse_prefill(given.get("prefill"))
+    values["decode_urls"] = [d[0] for d in given.get("decode") or []]
     config = RouterConfig(**values)
     config.validate()
     return config
-
-
-def load_config_file(path: Path) -> dict[str, Any]:
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object of flag values")
-    return {key.replace("-", "_"): value for key, value in data.items()}
