@@ -156,7 +156,9 @@ def test_tokenizing_is_bounded_and_a_waiting_client_costs_nothing() -> None:
         tok = router.tokenizer = _SlowTokenizer()
         first = asyncio.ensure_future(router.tokenize("generate", {"text": "aaaa"}))
         second = asyncio.ensure_future(router.tokenize("generate", {"text": "bbbb"}))
-        while tok.calls < 1:
+        deadline = asyncio.get_running_loop().time() + 10
+        while tok.calls < 1:  # the first prompt reached the tokenizer thread
+            assert asyncio.get_running_loop().time() < deadline, "the tokenizer never ran"
             await asyncio.sleep(0.001)
         second.cancel()  # this client leaves while waiting for the slot
         tok.release.set()

@@ -4,14 +4,8 @@ emulate-worker`` processes that publish SGLang's KV events, beside the router's 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
+import json
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +14,7 @@ import zmq
 import zmq.asyncio
 from proxy_helpers import get, post, sse_events, wait_until
 
+from omniinfer.emulator.process import EmulatorProcess
 from omniinfer.kv_events import BlockStored, Stored, encode_batch, seq_bytes
 from omniinfer.launch import free_port
 from omniinfer.proxy.cache_truth import WorkerCacheTruth
@@ -31,39 +26,18 @@ from omniinfer.proxy.workers import Role, Worker
 BLOCK = 16
 
 
-class Emu:
-    """One ``omniinfer emulate-worker`` process (token ids in, 2 output tokens out)."""
-
-    def __init__(self, log: Path, kv_port: int | None, replay_port: int | None = None,
-                 port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.kv_port = kv_port
-        args = [sys.executable, "-m", "omniinfer", "emulate-worker", "--profile", "cpu-smollm2",
-                "--time-scale", "0.01", "--max-total-tokens", "300", "--port", str(self.port)]
-        if kv_port is not None:
-            config = f'{{"publisher": "zmq", "endpoint": "tcp://*:{kv_port}"'
-            if replay_port is not None:
-                config += f', "replay_endpoint": "tcp://*:{replay_port}"'
-            args += ["--kv-events-config", config + "}"]
-        self.proc = subprocess.Popen(args, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        assert wait_until(self._up, timeout=60), log.read_text()[-2000:]
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _up(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=10)
+def _emu(log: Path, kv_port: int | None, replay_port: int | None = None,
+         port: int | None = None) -> EmulatorProcess:
+    """One emulated worker (token ids in, 2 output tokens out, a 300-token pool), publishing
+    its KV events on ``kv_port`` when one is given."""
+    args = ["--max-total-tokens", "300"]
+    if kv_port is not None:
+        config = {"publisher": "zmq", "endpoint": f"tcp://*:{kv_port}"}
+        if replay_port is not None:
+            config["replay_endpoint"] = f"tcp://*:{replay_port}"
+        args += ["--kv-events-config", json.dumps(config)]
+    return EmulatorProcess(profile="cpu-smollm2", time_scale=0.01, port=port, extra_args=args,
+                           log_path=log).start()
 
 
 @pytest.fixture
@@ -113,9 +87,9 @@ def _predicted(prompt: int, held_blocks: int) -> int:
 def test_kv_events_follow_eviction_that_the_router_index_misses(
         tmp_logs: tuple[Path, list[Any]]) -> None:
     tmp, started = tmp_logs
-    e1 = Emu(tmp / "e1.log", free_port())
+    e1 = _emu(tmp / "e1.log", free_port())
     started.append(e1)
-    e2 = Emu(tmp / "e2.log", None)
+    e2 = _emu(tmp / "e2.log", None)
     started.append(e2)
     events = _router(tmp, started, "--worker-urls", e1.url, "--cache-truth", "kv-events")
     own = _router(tmp, started, "--worker-urls", e2.url)
@@ -157,7 +131,7 @@ def test_kv_events_follow_eviction_that_the_router_index_misses(
 def test_late_join_replays_and_restart_forgets(tmp_logs: tuple[Path, list[Any]]) -> None:
     tmp, started = tmp_logs
     kv, replay = free_port(), free_port()
-    worker = Emu(tmp / "w.log", kv, replay)
+    worker = _emu(tmp / "w.log", kv, replay)
     started.append(worker)
     q = list(range(2000, 2100))
     assert post(worker.url + "/generate", {"input_ids": q, "sampling_params": {
@@ -165,12 +139,14 @@ def test_late_join_replays_and_restart_forgets(tmp_logs: tuple[Path, list[Any]])
     router = _router(tmp, started, "--worker-urls", worker.url, "--cache-truth", "kv-events")
 
     def poke_until(done: Any, base: int) -> dict[str, Any]:
-        for i in range(40):  # direct requests make the worker publish; the router listens
-            post(worker.url + "/generate", {"input_ids": [base + i] * 20,
+        pokes = iter(range(base, base + 10_000))
+
+        def poked() -> bool:  # direct requests make the worker publish; the router listens
+            post(worker.url + "/generate", {"input_ids": [next(pokes)] * 20,
                                             "sampling_params": {"max_new_tokens": 2}})
-            if done(_truth(router, worker.url)["sources"][0]):
-                break
-            time.sleep(0.1)
+            return bool(done(_truth(router, worker.url)["sources"][0]))
+
+        assert wait_until(poked, timeout=30, step=0.1), _truth(router, worker.url)
         return _truth(router, worker.url)
 
     joined = poke_until(lambda s: s["replays"], 3000)  # first live batch is not 0: replay 0..
@@ -181,7 +157,7 @@ def test_late_join_replays_and_restart_forgets(tmp_logs: tuple[Path, list[Any]])
     worker.stop()  # a restart: same ports, an empty cache, sequence numbers from 0 again
     assert wait_until(lambda: _truth(router, worker.url)["sources"][0]["disconnects"] == 1)
     assert _truth(router, worker.url)["router_blocks"] == 0  # forgotten while it is away
-    worker = Emu(tmp / "w2.log", kv, replay, port=worker.port)
+    worker = _emu(tmp / "w2.log", kv, replay, port=worker.port)
     started.append(worker)
     back = poke_until(lambda s: s["last_seq"] is not None, 4000)
     assert back["sources"][0]["connected"] and back["router_blocks"] >= 1
@@ -192,10 +168,10 @@ def test_late_join_replays_and_restart_forgets(tmp_logs: tuple[Path, list[Any]])
 
 def test_fallback_and_explicit_endpoint(tmp_logs: tuple[Path, list[Any]]) -> None:
     tmp, started = tmp_logs
-    plain = Emu(tmp / "plain.log", None)
+    plain = _emu(tmp / "plain.log", None)
     started.append(plain)
     kv = free_port()
-    publishing = Emu(tmp / "pub.log", kv)
+    publishing = _emu(tmp / "pub.log", kv)
     started.append(publishing)
     endpoint = f"tcp://127.0.0.1:{kv}"
     router = _router(tmp, started, "--worker-urls", plain.url, publishing.url,
@@ -225,6 +201,21 @@ def test_gap_without_replay_forgets_and_gap_with_replay_is_filled() -> None:
     asyncio.run(_gap_scenario())
 
 
+async def _eventually(done: Callable[[], bool],
+                      each: Callable[[], Awaitable[Any]] | None = None,
+                      timeout: float = 10.0) -> bool:
+    """Poll ``done`` every 20 ms until it holds or ``timeout`` passes; ``each`` runs first."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if each is not None:
+            await each()
+        await asyncio.sleep(0.02)
+        if done():
+            return True
+    return False
+
+
 async def _gap_scenario() -> None:
     ctx = zmq.asyncio.Context()
     pub, fake_replay = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
@@ -241,18 +232,13 @@ async def _gap_scenario() -> None:
         truth = WorkerCacheTruth(worker.url, index, 16)
         source = Source(f"tcp://127.0.0.1:{port}", replay=replay)
         sub = WorkerSubscription(worker, truth, [source], 16, ctx)
-        for _ in range(100):  # until the subscription reached the publisher
-            await pub.send_multipart((b"", seq_bytes(0), batches[0]))
-            await asyncio.sleep(0.02)
-            if source.last_seq == 0:
-                break
+        # a SUB socket misses what is published before it connects: send until it has it
+        assert await _eventually(lambda s=source: s.last_seq == 0,
+                                 lambda: pub.send_multipart((b"", seq_bytes(0), batches[0])))
         assert index.size(worker.url) == 1
         server = asyncio.ensure_future(_fake_replay_serve(fake_replay, batches))
         await pub.send_multipart((b"", seq_bytes(2), batches[2]))  # 1 is lost
-        for _ in range(100):
-            await asyncio.sleep(0.02)
-            if source.last_seq == 2:
-                break
+        assert await _eventually(lambda s=source: s.last_seq == 2)
         server.cancel()
         await sub.close()
         assert index.size(worker.url) == expect_blocks
