@@ -162,6 +162,31 @@ def test_a_variant_can_only_change_existing_switches() -> None:
     assert oas.OASNoDefer.name == "oas_no_defer"
 
 
+def test_no_defer_sends_to_a_busy_instance_at_once_where_oas_holds() -> None:
+    """One prefill instance already working off a 40K-token prompt: ``oas`` holds the next
+    request (its prediction says busy, and more than two batches are out), ``oas_no_defer``
+    sends it there at once."""
+    import asyncio
+
+    from omniinfer.proxy.base import RouteRequest
+    from omniinfer.proxy.policies.oas import OASNoDefer
+    from omniinfer.proxy.workers import Worker
+
+    async def second(cls: type[OASPolicy]) -> tuple[int, bool]:
+        policy = cls(PolicyContext(RouterConfig(), PrefixIndex(), Role.PREFILL))
+        worker = Worker("http://127.0.0.1:1", Role.PREFILL, healthy=True)
+        first = await policy.schedule(RouteRequest("big", 40000, 8), [worker])
+        assert first is not None and first.reason == "idle"
+        task = asyncio.ensure_future(policy.schedule(RouteRequest("next", 64, 8), [worker]))
+        await asyncio.sleep(0)  # the task runs until it is released or parked
+        released = task.done()
+        task.cancel()
+        return len(policy.queue), released
+
+    assert asyncio.run(second(OASPolicy)) == (1, False)
+    assert asyncio.run(second(OASNoDefer)) == (0, True)
+
+
 def test_goodput_and_moore_hodgson_variants_reach_the_queue() -> None:
     from omniinfer.proxy.deferral import Waiting
     from omniinfer.proxy.policies.oas import OASGoodput, OASMooreHodgson
