@@ -21,6 +21,7 @@ from omniinfer.proxy.base import (
     RouteRequest,
     available_policies,
     create_policy,
+    least_loaded,
     register_policy,
 )
 from omniinfer.proxy.circuit import BreakerState, CircuitBreaker
@@ -158,6 +159,8 @@ def test_power_of_two_picks_the_lighter_of_two_in_tokens() -> None:
     w = _workers(900, 10)
     picks = {policy.pick(_route(policy.context, [1] * 20), w).worker.url for _ in range(20)}
     assert picks == {w[1].url}
+    w[0].inflight_tokens, w[0].inflight_requests, w[1].inflight_requests = 10, 1, 3
+    assert least_loaded(w) is w[0]  # equal tokens: fewer requests
 
 
 def test_round_robin_and_random_cover_all() -> None:
