@@ -20,7 +20,8 @@ import orjson
 OUTCOMES = ("exact", "over", "under")
 
 
-def _from_object(obj: Any) -> int | None:
+def cached_tokens_in(obj: Any) -> int | None:
+    """Cached tokens a decoded answer (or the first of a batch) reports; None if absent."""
     if isinstance(obj, list):
         obj = obj[0] if obj else None
     if not isinstance(obj, dict):
@@ -39,7 +40,7 @@ def reported_cached_tokens(data: bytes) -> int | None:
     """Cached tokens in a JSON answer, or in the last SSE event that has them; None if absent."""
     if data.lstrip()[:1] in (b"{", b"["):
         try:
-            return _from_object(orjson.loads(data))
+            return cached_tokens_in(orjson.loads(data))
         except orjson.JSONDecodeError:
             pass  # a stream's tail may also begin with a brace: read it as events
     for line in reversed(data.split(b"\n")):
@@ -50,7 +51,7 @@ def reported_cached_tokens(data: bytes) -> int | None:
         if not payload or payload == b"[DONE]":
             continue
         try:
-            value = _from_object(orjson.loads(payload))
+            value = cached_tokens_in(orjson.loads(payload))
         except orjson.JSONDecodeError:
             continue  # the tail may begin inside an event
         if value is not None:

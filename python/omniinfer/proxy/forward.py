@@ -14,13 +14,16 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-import uuid
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from omniinfer.proxy.accuracy import reported_cached_tokens, reported_from_stream
+from omniinfer.proxy.accuracy import (
+    cached_tokens_in,
+    reported_cached_tokens,
+    reported_from_stream,
+)
 from omniinfer.proxy.admission import Rejected
 from omniinfer.proxy.auth import error_response
 from omniinfer.proxy.base import Decision, RouteRequest
@@ -51,7 +54,7 @@ class BodyTimeout(Exception):
 
 
 async def handle(router: Router, request: web.Request, endpoint: str) -> web.StreamResponse:
-    life = Lifecycle(uuid.uuid4().hex)
+    life = Lifecycle(router.new_request_id())
     status, record = 500, {"id": life.request_id, "endpoint": endpoint}
     try:
         try:
@@ -92,6 +95,8 @@ async def _read_body(router: Router, request: web.Request) -> bytes:
     if request.content_length is not None and request.content_length > c.max_payload_size:
         raise web.HTTPRequestEntityTooLarge(max_size=c.max_payload_size,
                                             actual_size=request.content_length)
+    if request.content.is_eof():  # the whole body came with the head: nothing to wait for
+        return await request.read()
     try:
         async with asyncio.timeout(c.client_body_timeout_secs):
             return await request.read()
@@ -171,7 +176,7 @@ async def _admitted(router: Router, request: web.Request, ex: Exchange) -> web.S
 
 def decided(router: Router, role: Role, ex: Exchange, decision: Decision, attempt: int) -> None:
     policy = router.policies[role]
-    router.metrics.decisions.labels(policy.name, role.value, decision.reason).inc()
+    router.metrics.decision(policy.name, role.value, decision.reason)
     ex.record.setdefault("decisions", []).append(
         {"role": role.value, "worker": decision.worker.url, "reason": decision.reason,
          "policy": policy.name, "attempt": attempt,
@@ -229,10 +234,11 @@ async def _regular(router: Router, request: web.Request, ex: Exchange) -> web.St
             else:
                 data = await read_all(resp, worker)
                 worker.breaker.record_success()
-                count_output(ex, data)
+                answer = count_output(ex, data)
                 out = web.Response(body=data, headers=ex.headers,
                                    content_type=resp.content_type or "application/json")
-                note_prediction(router, ex, worker, reported_cached_tokens(data))
+                note_prediction(router, ex, worker, reported_cached_tokens(data)
+                                if answer is None else cached_tokens_in(answer))
             ok = True
             return out
         except Passthrough as p:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -205,6 +206,8 @@ def build_app(router: Router) -> web.Application:
 async def _serve(config: RouterConfig) -> None:
     router = Router(config)
     await router.start()
+    gc.collect()
+    gc.freeze()  # what start-up built lives as long as the router: no collection rescans it
     runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None,
                            keepalive_timeout=config.client_header_timeout_secs * 2)
     await runner.setup()

@@ -147,9 +147,11 @@ async def read_all(resp: aiohttp.ClientResponse, worker: Worker) -> bytes:
         resp.release()
 
 
-def count_output(ex: Exchange, data: bytes) -> None:
-    """Output tokens from the final meta_info/usage; else the number of stream events."""
-    count = 0
+def count_output(ex: Exchange, data: bytes) -> Any:
+    """Output tokens from the final meta_info/usage; else the number of stream events.
+
+    Returns a non-streamed answer's decoded JSON (None if it is none), so that it is read once."""
+    count, answer = 0, None
     try:
         if ex.stream:
             for line in reversed(data.split(b"\n")):
@@ -158,11 +160,13 @@ def count_output(ex: Exchange, data: bytes) -> None:
                     count = completion_tokens(orjson.loads(line[5:].strip()))
                     break
         else:
-            count = completion_tokens(orjson.loads(data))
+            answer = orjson.loads(data)
+            count = completion_tokens(answer)
     except (orjson.JSONDecodeError, ValueError):
         count = 0
     ex.life.output_tokens = count or max(0, ex.output_events - 1 if ex.stream else 0)
     ex.record["output_tokens"] = ex.life.output_tokens
+    return answer
 
 
 def completion_tokens(obj: Any) -> int:

@@ -20,8 +20,32 @@ from typing import Any
 
 from omniinfer.proxy.base import Decision, Policy, PolicyContext, RouteRequest
 from omniinfer.proxy.deferral import DeferredQueue, Instance, Release, Waiting
-from omniinfer.proxy.oas_cost import InstanceClock
+from omniinfer.proxy.oas_cost import BatchTimeModel, InstanceClock
 from omniinfer.proxy.workers import Role, Worker
+
+
+class MemoModel(BatchTimeModel):
+    """The batch time model, remembering its one-request predictions until it next learns:
+    one routing decision asks for the same one several times (the request's work, each
+    instance's estimate, the queue once booked), each a small numpy product otherwise."""
+
+    MEMO_SIZE = 4096
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._memo: dict[int, float] = {}
+        self._memo_version = self.version
+
+    def predict(self, tokens: Sequence[int]) -> float:
+        if len(tokens) != 1:
+            return super().predict(tokens)
+        if self._memo_version != self.version or len(self._memo) >= self.MEMO_SIZE:
+            self._memo.clear()
+            self._memo_version = self.version
+        seconds = self._memo.get(tokens[0])
+        if seconds is None:
+            seconds = self._memo[tokens[0]] = super().predict(tokens)
+        return seconds
 
 
 @dataclasses.dataclass(slots=True)
@@ -72,7 +96,7 @@ class DeferringPolicy(Policy):
     def clock(self, worker: Worker) -> InstanceClock:
         clock = self.clocks.get(worker.url)
         if clock is None:
-            clock = self.clocks[worker.url] = InstanceClock(worker.url)
+            clock = self.clocks[worker.url] = InstanceClock(worker.url, MemoModel())
         return clock
 
     @staticmethod
