@@ -121,7 +121,8 @@ def sglang_router_command(cluster: EmulatedCluster, prefill_policy: str, decode_
                           port: int) -> list[str]:
     roles = _roles(cluster, prefill_policy, decode_policy)
     cmd = [sys.executable, "-m", "sglang_router.launch_router", *roles,
-           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"]
+           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn",
+           "--prometheus-port", str(free_port())]  # its default 29000 clashes between routers
     for url, boot in cluster.prefill:
         cmd += ["--prefill", url, str(boot)]
     for url in cluster.decode:

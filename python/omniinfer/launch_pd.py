@@ -131,7 +131,8 @@ def sglang_router(servers: Sequence[PDServer], log_path: Path, policy: str = "ro
     port = free_port()
     command = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                "--port", str(port), *router_args(servers), "--prefill-policy", policy,
-               "--decode-policy", decode_policy or policy, "--log-level", "warn"]
+               "--decode-policy", decode_policy or policy, "--log-level", "warn",
+               "--prometheus-port", str(free_port())]  # its default 29000 clashes between routers
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     return SGLangRouterProcess(command, env, Path(log_path), port, ready_timeout_s=120.0)
 
