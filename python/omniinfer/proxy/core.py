@@ -394,4 +394,14 @@ class Router:
             "workers": [w.describe() for w in self.pool.all()],
             "policy_state": {role.value: p.describe() for role, p in self.policies.items()
                              if hasattr(p, "describe")},
+            "tables": self.table_sizes(),
         }
+
+    def table_sizes(self) -> dict[str, Any]:
+        """Entries of every structure that grows with traffic, each bounded (a soak watches
+        them against the process's RSS)."""
+        index = {role.value: {"blocks": {url: idx.size(url) for url in idx.keys()},
+                              "distinct": idx.distinct(), "cap_per_worker": idx.max_blocks}
+                 for role, idx in self.indexes.items() if idx.distinct()}
+        return {"prefix_index": index, "background_tasks": len(self._tasks),
+                "metric_series": self.metrics.series()}

@@ -181,6 +181,14 @@ class ProxyMetrics:
             r.register(collector)
         r.register(WorkerCollector(pool))
 
+    def series(self) -> int:
+        """Labelled series of the per-request families (bounded label sets)."""
+        return sum(len(c.values) for c in (
+            self.requests, self.decisions, self.cache_prediction, self.cache_prediction_unreported,
+            self.cache_prediction_error, self.cache_predicted_tokens, self.cache_reported_tokens)
+        ) + sum(len(h.series) for h in (self.phase, self.ttft, self.tpot, self.e2e)) + len(
+            self._error_series)
+
     def decision(self, policy: str, role: str, reason: str) -> None:
         self.decisions.inc((policy, role, reason))
 

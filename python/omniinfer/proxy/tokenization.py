@@ -9,6 +9,7 @@ hash the same tokens the worker's radix cache holds. Without one, ``ApproxTokeni
 from __future__ import annotations
 
 import abc
+import struct
 from typing import Any
 
 DEFAULT_OUTPUT_TOKENS = 128
@@ -37,7 +38,9 @@ class ApproxTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         data = text.encode("utf-8", "surrogatepass")
-        return [int.from_bytes(data[i:i + 4], "little") for i in range(0, len(data), 4)]
+        if len(data) % 4:  # the last chunk, zero-padded, reads as it would alone
+            data += bytes(4 - len(data) % 4)
+        return list(struct.unpack(f"<{len(data) // 4}I", data))  # one C call, not one per chunk
 
     def encode_chat(self, messages: list[Any], body: dict[str, Any]) -> list[int]:
         parts = []
