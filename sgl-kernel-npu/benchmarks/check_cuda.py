@@ -13,13 +13,9 @@ no CUDA device was found. Exit status is non-zero when a check fails.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import os
-import platform
-import re
-import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -29,6 +25,11 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))  # kernel_bench, also when this file is loaded by path
+
+import kernel_bench as kb  # noqa: E402
+
 NO_GPU_LINE = "no CUDA device: ran the interpreter correctness check only"
 
 
@@ -53,22 +54,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _modules() -> tuple[Any, Any, Any, Any]:
-    """Import the package after TRITON_INTERPRET is final (kernels read it when defined)."""
-    if str(HERE.parent) not in sys.path:
-        sys.path.insert(0, str(HERE.parent))  # a plain checkout works without installing
-    names = ("decode_sink_recent", "reference", "indices", "testing")
-    mods = [importlib.import_module(f"omni_kernel_npu.omni_attn.{n}") for n in names]
-    return mods[0], mods[1], mods[2], mods[3]
-
-
-def _max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref.to(out.device)).abs().max())
-
-
 def correctness_cases(device: str) -> list[dict[str, Any]]:
     """Small random paged cases over every kernel variant; each row says pass or fail."""
-    kernels, reference, indices, testing = _modules()
+    m = kb.import_kernels()
+    kernels, reference, indices, testing = m.dec, m.ref, m.idx, m.testing
     sink, recent = 4, 8
     tol = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
     variants = [("head", torch.float32), ("grouped", torch.float16)]
@@ -91,7 +80,7 @@ def correctness_cases(device: str) -> list[dict[str, Any]]:
             checks["indexed"] = kernels.decode_paged_indices(inp.q, inp.k_buffer, inp.v_buffer,
                                                              indptr, idx, impl=impl)
         for name, out in checks.items():
-            err = _max_err(out, full_ref if name.startswith("full") else ref)
+            err = kb.max_err(out, full_ref if name.startswith("full") else ref)
             rows.append({"impl": impl, "dtype": str(dtype).removeprefix("torch."),
                          "case": name, "max_abs_err": err, "ok": err <= tol[dtype]})
     return rows
@@ -102,74 +91,6 @@ def _print_rows(rows: list[dict[str, Any]]) -> bool:
         print(f"  {r['impl']:8s} {r['dtype']:9s} {r['case']:24s} err={r['max_abs_err']:.2e} "
               f"{'ok' if r['ok'] else 'FAIL'}")
     return all(r["ok"] for r in rows)
-
-
-def compile_report(kernels: Any) -> dict[str, Any]:
-    """What each launched kernel was compiled for, from the compiled handle's metadata/asm."""
-    report = {}
-    for name, handle in kernels.last_compiled().items():
-        asm = getattr(handle, "asm", {}) or {}
-        meta = getattr(handle, "metadata", None)
-        ptx = asm.get("ptx", "")
-        ptx_target = re.search(r"^\s*\.target\s+(\S+)", ptx, re.M) if isinstance(ptx, str) else None
-        report[name] = {
-            "target": str(getattr(meta, "target", None)),
-            "asm_kinds": sorted(asm.keys()),
-            "ptx_target": ptx_target.group(1) if ptx_target else None,
-            "num_warps": getattr(meta, "num_warps", None),
-            "shared_bytes": getattr(meta, "shared", None),
-            "n_regs": getattr(handle, "n_regs", None),
-            "n_spills": getattr(handle, "n_spills", None),
-            "cuda": "cubin" in asm and "ptx" in asm,
-        }
-    return report
-
-
-def _time_ms(fn: Callable[[], Any], iters: int, warmup: int) -> dict[str, float]:
-    """Per-call time from CUDA events with the L2 flushed before each call (a layer's KV is
-    cold in real decode); includes the wrappers' launch overhead if the GPU outruns it."""
-    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return {"median_ms": statistics.median(times), "min_ms": min(times)}
-
-
-def _time_graph_ms(fn: Callable[[], Any], reps: int = 20, iters: int = 10) -> float | None:
-    """Per-call GPU time with launch overhead removed: ``reps`` calls captured in one CUDA
-    graph, replayed back to back (L2 stays warm between calls). None if capture fails."""
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-    except RuntimeError:  # e.g. a host sync inside fn
-        torch.cuda.synchronize()
-        return None
-    graph.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return statistics.median(times)
 
 
 def _dense_kv(inp: Any, positions: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -195,7 +116,8 @@ def _sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
 
 def benchmark(args: argparse.Namespace, device: str = "cuda") -> dict[str, Any]:
     """Correctness at the benchmark shape, then timings; returns the JSON-able result."""
-    kernels, reference, indices, testing = _modules()
+    m = kb.import_kernels()
+    kernels, reference, indices, testing = m.dec, m.ref, m.idx, m.testing
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     lens = [args.context] * args.batch
     inp = testing.make_paged_inputs(lens, args.q_heads, args.kv_heads, args.head_dim,
@@ -218,9 +140,9 @@ def benchmark(args: argparse.Namespace, device: str = "cuda") -> dict[str, Any]:
     }
     ref = reference.decode_sink_recent_reference(*inp.args(), sink, recent)
     full_ref = reference.decode_full_reference(*inp.args())
-    errors = {name: _max_err(runs[name](), full_ref if name.startswith("full") else ref)
+    errors = {name: kb.max_err(runs[name](), full_ref if name.startswith("full") else ref)
               for name in runs if name != "omni_build_indices_host"}
-    compiled = compile_report(kernels)
+    compiled = kb.compile_report(kernels)
 
     scale = 1.0 / math.sqrt(args.head_dim)
     q4 = inp.q.unsqueeze(2)  # [B, Hq, 1, D]
@@ -234,14 +156,15 @@ def benchmark(args: argparse.Namespace, device: str = "cuda") -> dict[str, Any]:
             return _sdpa_gqa(q4, k4, v4, scale)
 
         runs[label] = sdpa
-        errors[label] = _max_err(sdpa().squeeze(2), full_ref if keep is None else ref)
+        errors[label] = kb.max_err(sdpa().squeeze(2), full_ref if keep is None else ref)
     for splits in (1, 2, 4, 8):  # how the split count moves the sink + recent kernel
         runs[f"omni_grouped_splits{splits}"] = lambda n=splits: kernels.decode_sink_recent(
             *inp.args(), sink, recent, impl="grouped", num_kv_splits=n)
     timings = {}
+    timer = kb.make_timer(device)
     for name, fn in runs.items():
-        timings[name] = _time_ms(fn, args.iters, args.warmup)
-        timings[name]["graph_ms"] = _time_graph_ms(fn)
+        timings[name] = timer(fn, args.iters, args.warmup)
+        timings[name]["graph_ms"] = kb.graph_ms(fn)
     base = timings["full_triton_grouped"]["median_ms"]
     elem = inp.k_buffer.element_size()
     for name, t in timings.items():
@@ -264,17 +187,6 @@ def _offline_cuda_compile() -> bool:
     if proc.returncode:
         print(proc.stderr[-3000:])
     return proc.returncode == 0
-
-
-def _environment() -> dict[str, Any]:
-    import triton
-
-    env = {"python": platform.python_version(), "torch": torch.__version__,
-           "triton": triton.__version__}
-    if torch.cuda.is_available():
-        env["device"] = torch.cuda.get_device_name(0)
-        env["capability"] = list(torch.cuda.get_device_capability(0))
-    return env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         graph = "  graph   n/a  " if t["graph_ms"] is None else f"  graph {t['graph_ms']:7.3f}"
         print(f"  time {name:26s} {t['median_ms']:8.3f} ms  x{speedup:6.2f}  {gbps}{graph}")
     result = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "environment": _environment(), "small_cases": rows, **bench,
+              "environment": kb.environment("cuda"), "small_cases": rows, **bench,
               "ok": {"small": small_ok, "benchmark_shape": big_ok, "compiled_for_cuda": cuda_ok}}
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

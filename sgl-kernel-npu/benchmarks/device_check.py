@@ -30,13 +30,9 @@ copies, no streams) in seconds; CI runs it.
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib
 import json
 import math
 import os
-import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -44,6 +40,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import kernel_bench as kb
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -104,22 +101,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _modules(dry: bool) -> SimpleNamespace:
-    """Import the kernels after TRITON_INTERPRET is final (triton reads it at definition)."""
+    """Pick the interpreter (dry run) or the compiler, then import the kernels."""
     if dry:
         os.environ["TRITON_INTERPRET"] = "1"
     else:
         os.environ.pop("TRITON_INTERPRET", None)
-    for path in (HERE.parent, HERE):  # plain checkout; check_cuda's compile report
-        if str(path) not in sys.path:
-            sys.path.insert(0, str(path))
-    names = ("decode_sink_recent", "extend_sink_recent", "reference", "testing")
-    mods = {n: importlib.import_module(f"omni_kernel_npu.omni_attn.{n}") for n in names}
-    return SimpleNamespace(dec=mods["decode_sink_recent"], ext=mods["extend_sink_recent"],
-                           ref=mods["reference"], testing=mods["testing"])
-
-
-def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref).abs().max())
+    return kb.import_kernels()
 
 
 # ---------------------------------------------------------------- a. correctness
@@ -165,7 +152,8 @@ def _check_case(m: SimpleNamespace, cfg: dict[str, Any], device: str, ctx: int, 
 def _row(kernel: str, ctx: int, page: int, dt: torch.dtype, out: torch.Tensor,
          ref: torch.Tensor, full: torch.Tensor, full_ref: torch.Tensor) -> dict[str, Any]:
     tol = TOL[dt]
-    err, full_err, gap = _err(out, ref), _err(full, full_ref), _err(out, full_ref)
+    err, full_err = kb.max_err(out, ref), kb.max_err(full, full_ref)
+    gap = kb.max_err(out, full_ref)
     ok = (err <= tol and full_err <= tol and gap > 0.09 and out.dtype == dt
           and bool(torch.isfinite(out).all()))
     return {"kernel": kernel, "context": ctx, "page_size": page,
@@ -174,43 +162,11 @@ def _row(kernel: str, ctx: int, page: int, dt: torch.dtype, out: torch.Tensor,
 
 
 def compile_summary(m: SimpleNamespace) -> dict[str, Any]:
-    """Target, assembly kinds and registers of every launched kernel (check_cuda's report)."""
-    from check_cuda import compile_report
-
-    return compile_report(m.dec)
+    """Target, assembly kinds and registers of every launched kernel."""
+    return kb.compile_report(m.dec)
 
 
 # ---------------------------------------------------------------- timing helpers
-
-
-def make_timer(device: str, flush_bytes: int = 256 << 20) -> Callable[..., dict[str, float]]:
-    """``timer(fn, iters, warmup, cold=True)`` -> median/min ms. On CUDA: events per call,
-    optionally after overwriting the L2 (a layer's KV is cold in real decode); on CPU:
-    perf_counter."""
-    flush = torch.empty(flush_bytes, dtype=torch.int8, device=device) if device == "cuda" else None
-
-    def timer(fn: Callable[[], Any], iters: int, warmup: int, cold: bool = True
-              ) -> dict[str, float]:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(iters):
-            if flush is None:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-                continue
-            if cold:
-                flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return {"median_ms": statistics.median(times), "min_ms": min(times)}
-
-    return timer
 
 
 def warm_gpu(seconds: float = 0.5) -> None:
@@ -222,36 +178,6 @@ def warm_gpu(seconds: float = 0.5) -> None:
         for _ in range(10):
             a @ a
         torch.cuda.synchronize()
-
-
-def graph_ms(fn: Callable[[], Any], reps: int = 20, iters: int = 10) -> float | None:
-    """Per-call GPU time without launch overhead: ``reps`` calls in one CUDA graph replayed
-    back to back (L2 warm). None when capture fails."""
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-        graph.replay()
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / reps)
-        return statistics.median(times)
-    except Exception as exc:  # capture is best effort: report, never fail the check
-        print(f"  graph capture failed: {type(exc).__name__}: {exc}"[:200])
-        torch.cuda.synchronize()
-        return None
 
 
 def _sdpa_dense_decode(inp: Any, scale: float) -> Callable[[], torch.Tensor]:
@@ -271,7 +197,7 @@ def _sdpa_dense_decode(inp: Any, scale: float) -> Callable[[], torch.Tensor]:
 def time_decode(m: SimpleNamespace, cfg: dict[str, Any], device: str, budget: Budget
                 ) -> list[dict[str, Any]]:
     """Per context: sink + recent decode, the same kernel over everything, dense SDPA."""
-    timer = make_timer(device)
+    timer = kb.make_timer(device)
     sink, recent = cfg["sink"], cfg["recent"]
     results = []
     for ctx in cfg["contexts"]:
@@ -291,9 +217,9 @@ def time_decode(m: SimpleNamespace, cfg: dict[str, Any], device: str, budget: Bu
         for name, fn in runs.items():
             row[name] = timer(fn, cfg["iters"], cfg["warmup"])
             if device == "cuda":
-                row[name]["graph_ms"] = graph_ms(fn)
-        row["err_full_triton_vs_sdpa"] = _err(runs["full_triton"](),
-                                              runs["full_sdpa_dense"]().squeeze(2).float())
+                row[name]["graph_ms"] = kb.graph_ms(fn)
+        row["err_full_triton_vs_sdpa"] = kb.max_err(runs["full_triton"](),
+                                                 runs["full_sdpa_dense"]().squeeze(2).float())
         base = row["sink_recent"]["median_ms"]
         row["speedup_vs_full_triton"] = row["full_triton"]["median_ms"] / base
         row["speedup_vs_sdpa_dense"] = row["full_sdpa_dense"]["median_ms"] / base
@@ -327,9 +253,9 @@ def time_extend(m: SimpleNamespace, cfg: dict[str, Any], device: str, budget: Bu
                                                         max_extend_len=new),
         "full_triton": lambda: m.ext.extend_full(*inp.args(), max_extend_len=new),
     }
-    err = _err(runs["sink_recent"](), m.ref.extend_sink_recent_reference(*inp.args(), sink,
-                                                                         recent))
-    timer = make_timer(device)
+    err = kb.max_err(runs["sink_recent"](),
+                     m.ref.extend_sink_recent_reference(*inp.args(), sink, recent))
+    timer = kb.make_timer(device)
     row: dict[str, Any] = {"batch": batch, "context": ctx, "new_tokens": new,
                            "page_size": cfg["timing_page"], "err_sink_recent": err,
                            "ok": err <= TOL[cfg["dtype"]]}
@@ -373,8 +299,8 @@ def time_slot_map(m: SimpleNamespace, cfg: dict[str, Any], device: str, budget: 
         return None
     from hybrid_pool_check import time_slot_map_decode
 
-    row = time_slot_map_decode(m, cfg, device, make_timer(device),
-                               graph_ms if device == "cuda" else None)
+    row = time_slot_map_decode(m, cfg, device, kb.make_timer(device),
+                               kb.graph_ms if device == "cuda" else None)
     if device == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -395,16 +321,16 @@ def time_placement(cfg: dict[str, Any], device: str, budget: Budget) -> dict[str
 # ---------------------------------------------------------------- report
 
 
-def _environment(device: str) -> dict[str, Any]:
-    import triton
+def _case_row(r: dict[str, Any], middle: str) -> str:
+    """One correctness row: the case, what was measured, the verdict."""
+    return (f"  {r['kernel']:7s} {r['context']:7d} {r['page_size']:4d} {r['dtype']:8s} {middle}"
+            f" {'ok' if r['ok'] else 'FAIL'}")
 
-    env = {"python": platform.python_version(), "torch": torch.__version__,
-           "triton": triton.__version__, "device": device,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    if device == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(0)
-        env["capability"] = list(torch.cuda.get_device_capability(0))
-    return env
+
+def _slowdowns(s: dict[str, Any]) -> str:
+    """How much the forward slows down with the copies on a side stream or on its own."""
+    return (f"side stream x{s['slowdown_side_stream']:.3f}, "
+            f"same stream x{s['slowdown_same_stream']:.3f}")
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -413,15 +339,13 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"  {'kernel':7s} {'context':>7s} {'page':>4s} {'dtype':8s} {'sink+recent':>11s} "
           f"{'full':>9s} {'gap':>7s}")
     for r in result["correctness"]:
-        print(f"  {r['kernel']:7s} {r['context']:7d} {r['page_size']:4d} {r['dtype']:8s} "
-              f"{r['err_sink_recent']:11.2e} {r['err_full_window']:9.2e} {r['gap_to_full']:7.3f}"
-              f"  {'ok' if r['ok'] else 'FAIL'}")
+        print(_case_row(r, f"{r['err_sink_recent']:11.2e} {r['err_full_window']:9.2e} "
+                           f"{r['gap_to_full']:7.3f} "))
     if result["slot_map"]:
         print("\nhybrid pool through slot_map (max abs error vs fp32 reference on the full pool):")
         for r in result["slot_map"]:
-            print(f"  {r['kernel']:7s} {r['context']:7d} {r['page_size']:4d} {r['dtype']:8s} "
-                  f"{r['err']:11.2e}  identical to unmapped: {r['identical_to_unmapped']}  "
-                  f"{'ok' if r['ok'] else 'FAIL'}")
+            print(_case_row(r, f"{r['err']:11.2e}  identical to unmapped: "
+                               f"{r['identical_to_unmapped']} "))
     if result["decode"]:
         print("\ndecode (batch, median ms, cold L2; speedup = full / sink+recent):")
         for r in result["decode"]:
@@ -445,14 +369,12 @@ def print_table(result: dict[str, Any]) -> None:
     if result["staging"]:
         s = result["staging"]
         print(f"\nstaging ({s['staged_mb']:.1f} MB of experts, forward "
-              f"{s['forward_alone_ms']:.2f} ms): side stream x{s['slowdown_side_stream']:.3f}, "
-              f"same stream x{s['slowdown_same_stream']:.3f}, intact: {s['intact']}")
+              f"{s['forward_alone_ms']:.2f} ms): {_slowdowns(s)}, intact: {s['intact']}")
     p = result["placement"]
     if p and "staging" in p:
         s, h = p["staging"], p["host_copy"]
         print(f"\nSlotStager ({s['staged_mb']:.0f} MB staged + {s['sent_mb']:.0f} MB sent, "
-              f"forward {s['forward_alone_ms']:.2f} ms): side stream "
-              f"x{s['slowdown_side_stream']:.3f}, same stream x{s['slowdown_same_stream']:.3f}, "
+              f"forward {s['forward_alone_ms']:.2f} ms): {_slowdowns(s)}, "
               f"switch_in {s['switch_in_ms']:.3f} ms, intact: {s['intact']}")
         print(f"HostCopy {h['shape']}: start {h['start_host_ms']:.3f} ms on the host, pending "
               f"after start {h['event_pending_after_start']:.0%}, blocking .cpu() "
@@ -537,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
           "slot_stager_weights_intact": real["intact"] if real else None,
           "host_copy_ok": host_copy["ok"] if host_copy else None,
           "compiled_for_cuda": cubins if device == "cuda" and compiled else None}
-    result = {"environment": _environment(device), "dry_run": args.dry_run,
+    result = {"environment": kb.environment(device), "dry_run": args.dry_run,
               "config": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in cfg.items()},
               "steps": args.steps, "correctness": rows, "slot_map": slot_rows,
               "compiled": compiled, "decode": decode, "extend": extend,

@@ -39,7 +39,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from staging_check import _calibrate, _Clock, _forward
+from staging_check import Forward, _Clock
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -177,25 +177,8 @@ def run_placement_staging(cfg: dict[str, Any], device: str) -> dict[str, Any]:
         "received": sum(c.dst_rank == 0 and not c.is_local for c in copies),
         "sent": sum(c.src_rank == 0 and not c.is_local for c in copies),
     }
-    clock = _Clock(device)
-    m_, k_, n_ = cfg["gemm"]
-    x, w1, w2 = rand(m_, k_), rand(k_, n_) / k_ ** 0.5, rand(n_, k_) / n_ ** 0.5
-    h, y = torch.empty(m_, n_, dtype=dtype, device=device), torch.empty_like(x)
-    n_layers = _calibrate(lambda n: _forward(x, w1, w2, h, y, n), clock, cfg["forward_ms"])
-
-    def fwd() -> None:
-        _forward(x, w1, w2, h, y, n_layers)
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
-    def alone() -> float:
-        start = clock.mark(main)
-        fwd()
-        end = clock.mark(main)
-        sync()
-        return clock.ms(start, end)
+    fwd = Forward(cfg, device, dtype, seed=6)
+    clock, sync, alone, n_layers = fwd.clock, fwd.sync, fwd.alone, fwd.layers
 
     def staged_rep(stager: Any) -> dict[str, Any]:
         for live, _ in expected:

@@ -98,42 +98,55 @@ def _calibrate(fwd: Callable[[int], None], clock: _Clock, target_ms: float) -> i
     return max(1, round(target_ms / per_layer))
 
 
+class Forward:
+    """The GEMM "forward" staging must hide behind, sized to about ``cfg["forward_ms"]``; one
+    call runs it on the current stream, ``alone()`` times one call."""
+
+    def __init__(self, cfg: dict[str, Any], device: str, dtype: torch.dtype, seed: int) -> None:
+        self.cuda = device == "cuda"
+        self.clock = _Clock(device)
+        self.main = torch.cuda.current_stream() if self.cuda else None
+        gen = torch.Generator(device=device).manual_seed(seed)
+        m, k, n = cfg["gemm"]
+        self.x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+        self.w1 = (torch.randn(k, n, generator=gen, device=device) / k ** 0.5).to(dtype)
+        self.w2 = (torch.randn(n, k, generator=gen, device=device) / n ** 0.5).to(dtype)
+        self.h = torch.empty(m, n, dtype=dtype, device=device)
+        self.y = torch.empty_like(self.x)
+        self.layers = _calibrate(self._run, self.clock, cfg["forward_ms"])
+
+    def _run(self, layers: int) -> None:
+        _forward(self.x, self.w1, self.w2, self.h, self.y, layers)
+
+    def __call__(self) -> None:
+        self._run(self.layers)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def alone(self) -> float:
+        """Milliseconds of one forward with nothing beside it."""
+        start = self.clock.mark(self.main)
+        self()
+        end = self.clock.mark(self.main)
+        self.sync()
+        return self.clock.ms(start, end)
+
+
 def run_staging(cfg: dict[str, Any], device: str) -> dict[str, Any]:
     """Time the forward alone, with side-stream staging and with same-stream staging."""
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    m, k, n = cfg["gemm"]
-    gen = torch.Generator(device=device).manual_seed(1)
-    x = torch.randn(m, k, generator=gen, device=device).to(dtype)
-    w1 = (torch.randn(k, n, generator=gen, device=device) / k ** 0.5).to(dtype)
-    w2 = (torch.randn(n, k, generator=gen, device=device) / n ** 0.5).to(dtype)
-    h, y = torch.empty(m, n, dtype=dtype, device=device), torch.empty_like(x)
-    clock = _Clock(device)
-    layers = _calibrate(lambda n_layers: _forward(x, w1, w2, h, y, n_layers), clock,
-                        cfg["forward_ms"])
-
-    def fwd() -> None:
-        _forward(x, w1, w2, h, y, layers)
-
+    fwd = Forward(cfg, device, dtype, seed=1)
+    clock, main, sync, alone, layers = fwd.clock, fwd.main, fwd.sync, fwd.alone, fwd.layers
     pairs, expected, nbytes = _experts(cfg, device, dtype)
-    main = torch.cuda.current_stream() if cuda else None
     side = torch.cuda.Stream() if cuda else None
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
 
     def reset() -> None:
         for _, dst in pairs:
             dst.zero_()
         sync()
-
-    def alone() -> float:
-        start = clock.mark(main)
-        fwd()
-        end = clock.mark(main)
-        sync()
-        return clock.ms(start, end)
 
     def side_stream() -> tuple[float, float, bool, bool]:
         """Forward ms, copy ms, copies done before the forward ended, staged data intact."""

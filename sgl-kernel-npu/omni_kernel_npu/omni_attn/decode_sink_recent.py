@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .indices import check_window
+from .indices import check_window, full_window
 
 Impl = Literal["auto", "head", "grouped"]
 
@@ -74,9 +74,11 @@ def _map_slot(slot, SlotMap, valid, HAS_MAP: tl.constexpr):
 
 
 @triton.jit
-def _row_window(b, SeqLens, ReqPoolIdx, ReqToToken, KvIndptr, KvIndices, stride_r2t, sink,
-                recent, INDEXED: tl.constexpr):
-    """(slot-row pointer, kept count, sink count, first recent position) for request ``b``.
+def _split_window(b, split, SeqLens, ReqPoolIdx, ReqToToken, KvIndptr, KvIndices, stride_r2t,
+                  sink, recent, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  INDEXED: tl.constexpr):
+    """(slot-row pointer, sink count, first recent position, lo, hi) for request ``b``: this
+    split reads logical indices ``[lo, hi)`` of the request's kept tokens.
 
     Logical index j maps to position ``j`` if ``j < n_sink`` else ``recent_start + j - n_sink``;
     with an explicit index list every entry is kept and ``n_sink = n_kept`` makes it identity.
@@ -93,7 +95,31 @@ def _row_window(b, SeqLens, ReqPoolIdx, ReqToToken, KvIndptr, KvIndices, stride_
         n_sink = tl.minimum(seq_len, sink)
         n_kept = tl.minimum(seq_len, sink + recent)
         recent_start = seq_len - (n_kept - n_sink)
-    return row, n_kept, n_sink, recent_start
+    per_split = tl.cdiv(tl.cdiv(n_kept, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, n_kept)
+    return row, n_sink, recent_start, lo, hi
+
+
+@triton.jit
+def _kept_slots(start, hi, row, n_sink, recent_start, SlotMap, BLOCK_N: tl.constexpr,
+                HAS_MAP: tl.constexpr):
+    """(pool slots, valid) of logical indices ``[start, start + BLOCK_N)`` below ``hi``."""
+    j = start + tl.arange(0, BLOCK_N)
+    valid = j < hi
+    pos = tl.where(j < n_sink, j, recent_start + (j - n_sink))
+    slot = _map_slot(tl.load(row + pos, mask=valid, other=0).to(tl.int64), SlotMap, valid,
+                     HAS_MAP)
+    return slot, valid
+
+
+@triton.jit
+def _head_dims(DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+               BLOCK_DV: tl.constexpr):
+    """Offsets and masks over the K and V head dimensions, padded to powers of two."""
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    return offs_dk, offs_dv, offs_dk < DK, offs_dv < DV
 
 
 @triton.jit
@@ -112,17 +138,10 @@ def _stage1_head(
     h = tl.program_id(1)
     split = tl.program_id(2)
     kvh = h // GROUP
-    row, n_kept, n_sink, recent_start = _row_window(
-        b, SeqLens, ReqPoolIdx, ReqToToken, KvIndptr, KvIndices, stride_r2t, sink, recent,
-        INDEXED)
-    per_split = tl.cdiv(tl.cdiv(n_kept, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, n_kept)
-
-    offs_dk = tl.arange(0, BLOCK_DK)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_dk = offs_dk < DK
-    mask_dv = offs_dv < DV
+    row, n_sink, recent_start, lo, hi = _split_window(
+        b, split, SeqLens, ReqPoolIdx, ReqToToken, KvIndptr, KvIndices, stride_r2t, sink, recent,
+        NUM_SPLITS, BLOCK_N, INDEXED)
+    offs_dk, offs_dv, mask_dk, mask_dv = _head_dims(DK, DV, BLOCK_DK, BLOCK_DV)
     q = tl.load(Q + b.to(tl.int64) * stride_qb + h * stride_qh + offs_dk, mask=mask_dk,
                 other=0.0).to(tl.float32)
 
@@ -130,11 +149,7 @@ def _stage1_head(
     l_i = 0.0
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        valid = j < hi
-        pos = tl.where(j < n_sink, j, recent_start + (j - n_sink))
-        slot = _map_slot(tl.load(row + pos, mask=valid, other=0).to(tl.int64), SlotMap, valid,
-                         HAS_MAP)
+        slot, valid = _kept_slots(start, hi, row, n_sink, recent_start, SlotMap, BLOCK_N, HAS_MAP)
         k = tl.load(K + slot[:, None] * stride_kn + kvh * stride_kh + offs_dk[None, :],
                     mask=valid[:, None] & mask_dk[None, :], other=0.0).to(tl.float32)
         s = tl.sum(k * q[None, :], 1) * sm_scale
@@ -181,21 +196,14 @@ def _stage1_grouped(
     split = tl.program_id(2)
     kvh = pid_h // TILES_PER_KV
     tile = pid_h % TILES_PER_KV
-    row, n_kept, n_sink, recent_start = _row_window(
-        b, SeqLens, ReqPoolIdx, ReqToToken, KvIndptr, KvIndices, stride_r2t, sink, recent,
-        INDEXED)
-    per_split = tl.cdiv(tl.cdiv(n_kept, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, n_kept)
-
+    row, n_sink, recent_start, lo, hi = _split_window(
+        b, split, SeqLens, ReqPoolIdx, ReqToToken, KvIndptr, KvIndices, stride_r2t, sink, recent,
+        NUM_SPLITS, BLOCK_N, INDEXED)
     offs_h = tl.arange(0, BLOCK_H)
     g = tile * HEADS_PER_TILE + offs_h
     mask_h = (offs_h < HEADS_PER_TILE) & (g < GROUP)
     heads = kvh * GROUP + g
-    offs_dk = tl.arange(0, BLOCK_DK)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_dk = offs_dk < DK
-    mask_dv = offs_dv < DV
+    offs_dk, offs_dv, mask_dk, mask_dv = _head_dims(DK, DV, BLOCK_DK, BLOCK_DV)
     q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_dk[None, :],
                 mask=mask_h[:, None] & mask_dk[None, :], other=0.0)
 
@@ -203,11 +211,7 @@ def _stage1_grouped(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        valid = j < hi
-        pos = tl.where(j < n_sink, j, recent_start + (j - n_sink))
-        slot = _map_slot(tl.load(row + pos, mask=valid, other=0).to(tl.int64), SlotMap, valid,
-                         HAS_MAP)
+        slot, valid = _kept_slots(start, hi, row, n_sink, recent_start, SlotMap, BLOCK_N, HAS_MAP)
         k = tl.load(K + slot[None, :] * stride_kn + kvh * stride_kh + offs_dk[:, None],
                     mask=mask_dk[:, None] & valid[None, :], other=0.0)
         if DOT_FP32:
@@ -460,16 +464,10 @@ def decode_paged_indices(
                    bound, sm_scale, logit_cap, num_kv_splits, impl, block_n, out)
 
 
-def decode_full(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    **kwargs: Any,
-) -> torch.Tensor:
+def decode_full(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                **kwargs: Any) -> torch.Tensor:
     """Full decode attention with the same kernel (``sink=0``, ``recent=max_context``): the
     baseline the sink + recent kernel is timed against."""
     return decode_sink_recent(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-                              0, max(1, req_to_token.shape[1]), **kwargs)
+                              *full_window(req_to_token), **kwargs)

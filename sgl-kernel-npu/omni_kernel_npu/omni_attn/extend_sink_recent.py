@@ -34,8 +34,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_sink_recent import _interpreting, _map_slot, _remember, _soft_cap, check_slot_map
-from .indices import check_window
+from .decode_sink_recent import (
+    _check_layout,
+    _head_dims,
+    _interpreting,
+    _map_slot,
+    _remember,
+    _soft_cap,
+    check_slot_map,
+)
+from .indices import check_window, full_window
 
 DEFAULT_BLOCK_M = 64  # queries per program (16-bit inputs)
 DEFAULT_BLOCK_N = 64  # keys per inner step (16-bit inputs)
@@ -125,10 +133,7 @@ def _extend_kernel(
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     q_valid = offs_m < n_new
     qpos = prefix + offs_m
-    offs_dk = tl.arange(0, BLOCK_DK)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_dk = offs_dk < DK
-    mask_dv = offs_dv < DV
+    offs_dk, offs_dv, mask_dk, mask_dv = _head_dims(DK, DV, BLOCK_DK, BLOCK_DV)
     tok = (q_start + offs_m).to(tl.int64)
     q = tl.load(Q + tok[:, None] * stride_qt + h * stride_qh + offs_dk[None, :],
                 mask=q_valid[:, None] & mask_dk[None, :], other=0.0)
@@ -192,20 +197,11 @@ def extend_sink_recent(
     """
     check_window(sink, recent)
     check_slot_map(slot_map)
-    if q.dim() != 3 or k_buffer.dim() != 3 or v_buffer.dim() != 3:
-        raise ValueError("q, k_buffer, v_buffer must be 3-D [tokens|slots, heads, dim]")
-    if k_buffer.shape[:2] != v_buffer.shape[:2] or q.shape[2] != k_buffer.shape[2]:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)} k {tuple(k_buffer.shape)} "
-                         f"v {tuple(v_buffer.shape)}")
+    group = _check_layout(q, k_buffer, v_buffer)
     if req_to_token.dim() != 2:
         raise ValueError("req_to_token must be [num_reqs, max_context]")
     num_tokens, num_q_heads, dk = q.shape
-    num_kv_heads, dv = v_buffer.shape[1], v_buffer.shape[2]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads={num_q_heads} not a multiple of {num_kv_heads}")
-    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
-        if t.stride(2) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dim")
+    dv = v_buffer.shape[2]
     batch = seq_lens.shape[0]
     if qo_indptr.shape[0] != batch + 1:
         raise ValueError("qo_indptr must have batch + 1 entries")
@@ -227,11 +223,12 @@ def extend_sink_recent(
     grid = (batch, num_q_heads, triton.cdiv(max_extend_len, bm))
     handle = _extend_kernel[grid](
         q, k_buffer, v_buffer, out, qo_indptr, seq_lens, req_pool_indices, req_to_token,
-        slot_map if slot_map is not None else seq_lens, scale, float(logit_cap), int(sink), int(recent),
+        slot_map if slot_map is not None else seq_lens, scale, float(logit_cap), int(sink),
+        int(recent),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
         req_to_token.stride(0),
-        GROUP=num_q_heads // num_kv_heads, DK=dk, DV=dv, BLOCK_M=bm, BLOCK_N=bn,
+        GROUP=group, DK=dk, DV=dv, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_DK=max(16, triton.next_power_of_2(dk)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         HAS_CAP=logit_cap > 0, USE_DOT=use_dot,
         DOT_FP32=q.dtype == torch.bfloat16 and _interpreting(), HAS_MAP=slot_map is not None,
@@ -241,17 +238,10 @@ def extend_sink_recent(
     return out
 
 
-def extend_full(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    **kwargs: Any,
-) -> torch.Tensor:
+def extend_full(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                qo_indptr: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """Causal extend attention over every key with the same kernel (``sink=0``,
     ``recent=max_context``): the full-layer baseline of the timings."""
     return extend_sink_recent(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-                              qo_indptr, 0, max(1, req_to_token.shape[1]), **kwargs)
+                              qo_indptr, *full_window(req_to_token), **kwargs)

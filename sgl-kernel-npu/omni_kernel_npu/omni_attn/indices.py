@@ -25,6 +25,12 @@ def kept_positions(seq_len: int, sink: int, recent: int, device: torch.device | 
     return torch.cat([head, tail])
 
 
+def full_window(req_to_token: torch.Tensor) -> tuple[int, int]:
+    """``(sink, recent)`` that keep every position of a ``req_to_token`` table: ordinary full
+    attention with the same kernels and references (the baselines they are timed against)."""
+    return 0, max(1, req_to_token.shape[1])
+
+
 def check_window(sink: int, recent: int) -> None:
     """Reject windows the kernel does not define: the current token must be kept."""
     if sink < 0 or recent < 1:

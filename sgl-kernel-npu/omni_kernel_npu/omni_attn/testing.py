@@ -80,22 +80,15 @@ def make_paged_inputs(
 
 
 @dataclass
-class ExtendInputs:
+class ExtendInputs(PagedInputs):
     """One extend (prefill) step's attention inputs for a single layer: ``q`` holds only the
     new tokens, packed by ``qo_indptr``; every token's K/V is already in the pool."""
 
-    q: torch.Tensor
-    k_buffer: torch.Tensor
-    v_buffer: torch.Tensor
-    req_to_token: torch.Tensor
-    req_pool_indices: torch.Tensor
-    seq_lens: torch.Tensor
     qo_indptr: torch.Tensor
 
     def args(self) -> tuple[torch.Tensor, ...]:
         """Positional arguments of the extend kernel and reference entry points."""
-        return (self.q, self.k_buffer, self.v_buffer, self.req_to_token,
-                self.req_pool_indices, self.seq_lens, self.qo_indptr)
+        return (*super().args(), self.qo_indptr)
 
 
 def make_extend_inputs(
