@@ -10,6 +10,19 @@ import pytest
 from omniinfer.cli import main
 
 
+def _plan(counts, output, devices=2, redundant=0, *extra):
+    """``omniinfer placement plan`` with these counts and fleet; its exit status."""
+    return main(["placement", "plan", "--counts", str(counts), "--num-devices", str(devices),
+                 "--num-redundant-experts", str(redundant), "--output", str(output), *extra])
+
+
+def _simulate(output, devices, redundant, *extra):
+    """``omniinfer placement simulate`` (no progress bar) into ``output``; its exit status."""
+    return main(["placement", "simulate", "--num-devices", str(devices),
+                 "--num-redundant-experts", str(redundant), "--output", str(output),
+                 "--no-progress", *extra])
+
+
 @pytest.fixture
 def counts_file(tmp_path, olmoe):
     path = tmp_path / "counts.json"
@@ -19,22 +32,7 @@ def counts_file(tmp_path, olmoe):
 
 def test_plan_writes_an_sglang_mapping_and_stats(tmp_path, counts_file, capsys):
     out = tmp_path / "plan.json"
-    rc = main(
-        [
-            "placement",
-            "plan",
-            "--counts",
-            str(counts_file),
-            "--num-devices",
-            "16",
-            "--num-redundant-experts",
-            "16",
-            "--num-nodes",
-            "2",
-            "--output",
-            str(out),
-        ]
-    )
+    rc = _plan(counts_file, out, 16, 16, "--num-nodes", "2")
     assert rc == 0
     doc = json.loads(out.read_text())
     assert list(doc) == ["physical_to_logical_map"]  # SGLang passes every key as an argument
@@ -59,19 +57,7 @@ def test_plan_writes_an_sglang_mapping_and_stats(tmp_path, counts_file, capsys):
 def test_plan_errors_exit_2_with_one_line(tmp_path, capsys, content, extra, message):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(content))
-    args = [
-        "placement",
-        "plan",
-        "--counts",
-        str(path),
-        "--num-devices",
-        "2",
-        "--num-redundant-experts",
-        "0",
-        "--output",
-        str(tmp_path / "p.json"),
-    ]
-    rc = main(args + extra)
+    rc = _plan(path, tmp_path / "p.json", 2, 0, *extra)
     err = capsys.readouterr().err.strip()
     assert rc == 2
     assert err.startswith("omniinfer: error: ") and "\n" not in err
@@ -81,45 +67,13 @@ def test_plan_errors_exit_2_with_one_line(tmp_path, capsys, content, extra, mess
 def test_plan_nan_csv(tmp_path, capsys):
     path = tmp_path / "bad.csv"
     path.write_text("1,2,nan,4\n")
-    rc = main(
-        [
-            "placement",
-            "plan",
-            "--counts",
-            str(path),
-            "--num-devices",
-            "2",
-            "--num-redundant-experts",
-            "0",
-            "--output",
-            str(tmp_path / "p.json"),
-        ]
-    )
+    rc = _plan(path, tmp_path / "p.json")
     assert rc == 2 and "NaN" in capsys.readouterr().err
 
 
 def test_simulate_writes_summary_and_plot(tmp_path):
-    rc = main(
-        [
-            "placement",
-            "simulate",
-            "--num-devices",
-            "16",
-            "--num-redundant-experts",
-            "16",
-            "--windows",
-            "12",
-            "--regime",
-            "6",
-            "--seed",
-            "1",
-            "--period",
-            "4",
-            "--output",
-            str(tmp_path),
-            "--no-progress",
-        ]
-    )
+    rc = _simulate(tmp_path, 16, 16, "--windows", "12", "--regime", "6", "--seed", "1",
+                   "--period", "4")
     assert rc == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary["policies"]) == {"omni", "eplb-static", "eplb-periodic", "oracle"}
@@ -128,17 +82,5 @@ def test_simulate_writes_summary_and_plot(tmp_path):
 
 
 def test_simulate_rejects_bad_shape(tmp_path, capsys):
-    rc = main(
-        [
-            "placement",
-            "simulate",
-            "--num-devices",
-            "12",
-            "--num-redundant-experts",
-            "16",
-            "--output",
-            str(tmp_path),
-            "--no-progress",
-        ]
-    )
+    rc = _simulate(tmp_path, 12, 16)
     assert rc == 2 and "does not divide" in capsys.readouterr().err
