@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +25,20 @@ def _pool_bytes(pool: Any) -> int:
     return int(k) + int(v)
 
 
+@dataclass(eq=False)
 class AttnStatus:
     """Counters and pool facts of one scheduler; ``write`` publishes them as JSON."""
 
-    def __init__(self, pattern: Pattern, allocator: Any, kvcache: Any, attention: Any,
-                 max_total_tokens: int | None, writer: bool, tree_cache: Any = None) -> None:
-        self.pattern = pattern
-        self.allocator = allocator
-        self.kvcache = kvcache
-        self.attention = attention
-        self.max_total_tokens = max_total_tokens
-        self.writer = writer
-        self.tree_cache = tree_cache
-        self.tokens_freed = 0  # compressed-layer slots returned before their request ended
-        self.freed_events = 0
-        self._last_write = 0.0
+    pattern: Pattern
+    allocator: Any
+    kvcache: Any
+    attention: Any
+    max_total_tokens: int | None
+    writer: bool
+    tree_cache: Any = None
+    tokens_freed: int = 0  # compressed-layer slots returned before their request ended
+    freed_events: int = 0
+    _last_write: float = field(default=0.0, repr=False)
 
     @classmethod
     def from_scheduler(cls, scheduler: Any, pattern: Pattern, attention: Any,
