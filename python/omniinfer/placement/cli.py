@@ -33,6 +33,13 @@ from omniinfer.placement.static import (
 )
 
 
+def _add_fleet(parser: argparse.ArgumentParser) -> None:
+    """The EP devices and redundant slots both commands plan for."""
+    parser.add_argument("--num-devices", type=int, required=True, help="R: EP devices")
+    parser.add_argument("--num-redundant-experts", type=int, required=True,
+                        help="K: redundant slots per layer (SGLang --ep-num-redundant-experts)")
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("placement", help="OmniPlacement: expert placement planner")
     sub = p.add_subparsers(dest="placement_command", required=True)
@@ -44,13 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         required=True,
         help="SGLang expert-distribution dump (.pt), JSON with logical_count, or CSV",
     )
-    plan.add_argument("--num-devices", type=int, required=True, help="R: EP devices")
-    plan.add_argument(
-        "--num-redundant-experts",
-        type=int,
-        required=True,
-        help="K: redundant slots per layer (SGLang --ep-num-redundant-experts)",
-    )
+    _add_fleet(plan)
     plan.add_argument("--num-nodes", type=int, default=1, help="N: nodes, for the topology remap")
     plan.add_argument(
         "--fold",
@@ -77,8 +78,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="per-domain counts JSON (default: the OLMoE routing counts shipped)",
     )
     sim.add_argument("--model", default="olmoe", help="model inside the counts file")
-    sim.add_argument("--num-devices", type=int, required=True)
-    sim.add_argument("--num-redundant-experts", type=int, required=True)
+    _add_fleet(sim)
     sim.add_argument("--windows", type=int, default=120)
     sim.add_argument(
         "--routed-per-window",
