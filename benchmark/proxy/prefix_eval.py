@@ -84,13 +84,20 @@ def caching_workers(cluster: str) -> int:
     return n_prefill + n_regular
 
 
+def requests_per_run(args: argparse.Namespace, rate: float) -> int:
+    """Enough requests for ``--run-seconds`` of arrivals at ``rate`` (the whole cluster): every
+    rate runs as long in model time, so queues have as long to build up past saturation."""
+    return max(16, round(rate * args.run_seconds))
+
+
 def build_requests(args: argparse.Namespace, workload: str, rate: float, tokenizer: Any,
                    seed: int) -> list[BenchRequest]:
     """The workload with Poisson arrivals at ``rate`` model requests/s (the whole cluster)."""
+    n = requests_per_run(args, rate)
     spec = WorkloadSpec(
-        num_requests=args.requests, output_len=args.output_len, seed=args.seed,
+        num_requests=n, output_len=args.output_len, seed=args.seed,
         prefix_len=args.prefix_len, num_groups=args.groups, users_per_group=args.users_per_group,
-        query_len=args.query_len, conversations=math.ceil(args.requests / args.turns),
+        query_len=args.query_len, conversations=math.ceil(n / args.turns),
         turns=args.turns, turn_len=args.turn_len, think_s=args.think_time,
         max_total_len=8000, vocab_size=49152)
     return poisson_arrivals(PREFIX_WORKLOADS[workload](spec, tokenizer), rate, seed)
@@ -154,6 +161,7 @@ def run_one(target: Target, cluster: EmulatedCluster, requests: list[BenchReques
         router.stop()
     row = measure(to_model_time(results, args.time_scale), args)
     row["cache_prediction"] = state.get("cache_prediction")
+    row["released"] = state.get("released")  # oas: why each request left the proxy
     return row
 
 
@@ -165,11 +173,13 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, float]]:
 
 
 def estimate_s(args: argparse.Namespace) -> float:
-    """Wall seconds the sweep should take: every run's requests at its rate, plus overheads."""
+    """Wall seconds the sweep should take: each run's arrivals, a chat's chain of turns (a
+    turn, then the think time) or a drain of about one model second, and the overheads."""
     total = 0.0
-    for cluster, _, rate in plan(args):
-        wall_rate = rate * caching_workers(cluster) / args.time_scale
-        total += len(args.targets) * (args.requests / wall_rate + RUN_OVERHEAD_S + 5.0)
+    for _, workload, _ in plan(args):
+        tail = args.turns * (args.think_time + 0.5) if workload == "multi-turn" else 1.0
+        total += len(args.targets) * ((args.run_seconds + tail) * args.time_scale
+                                      + RUN_OVERHEAD_S)
     return total * args.repeats
 
 
@@ -197,31 +207,33 @@ def _load_tokenizer(path: str) -> Any:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: 48 requests per run, 1 repeat, the first workload at 2 "
-                   "rates and the others at the higher one (about 15 min on a busy 2-core box)")
+                   help="smoke run: 1.5 model seconds per run, 1 repeat, the first workload at "
+                   "2 rates and the others at the higher one")
     p.add_argument("--clusters", default="8R,4P1D", help=f"comma list of {', '.join(CLUSTERS)}")
     p.add_argument("--workloads", default="prefix-groups,multi-turn",
                    help=f"comma list of {', '.join(PREFIX_WORKLOADS)}")
-    p.add_argument("--rates", default="3,4.5,6.75,10.125",
+    p.add_argument("--rates", default="4.5,6.75,10.125,15.1875,22.78125",
                    help="model requests/s per caching worker (regular or prefill), comma list; "
                    "1.5x steps let the report judge the knee and 1.5x the knee")
     p.add_argument("--repeats", type=int, default=1, help="repeat the sweep (targets rotated)")
     p.add_argument("--targets", default=",".join(TARGETS), help="comma list of router:policy")
-    p.add_argument("--requests", type=int, default=192, help="requests per run")
+    p.add_argument("--run-seconds", type=float, default=4.0,
+                   help="model seconds of arrivals per run (requests = rate x this)")
     p.add_argument("--warmup-share", type=float, default=0.25,
                    help="first share of requests (by send time) warms the caches, unmeasured")
     p.add_argument("--time-scale", type=float, default=8.0,
                    help="wall seconds per model second of the emulators (slack for a busy box)")
-    p.add_argument("--cache-tokens", type=int, default=32768,
+    p.add_argument("--cache-tokens", type=int, default=40960,
                    help="KV pool of each caching worker (the profile has 395,000): below the "
                    "workload's distinct prefixes, so a router that spreads a group evicts")
-    p.add_argument("--groups", type=int, default=24)
-    p.add_argument("--prefix-len", type=int, default=3072)
-    p.add_argument("--users-per-group", type=int, default=4)
-    p.add_argument("--query-len", type=int, default=256)
-    p.add_argument("--turns", type=int, default=6, help="multi-turn: turns per chat")
-    p.add_argument("--turn-len", type=int, default=384, help="multi-turn: new tokens per turn")
-    p.add_argument("--think-time", type=float, default=1.0, help="multi-turn: model seconds")
+    p.add_argument("--groups", type=int, default=16,
+                   help="prefix-groups (llm-d: 150 groups of a 6K prefix, 5 users, 1.2K queries)")
+    p.add_argument("--prefix-len", type=int, default=6144)
+    p.add_argument("--users-per-group", type=int, default=5)
+    p.add_argument("--query-len", type=int, default=1200)
+    p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per chat")
+    p.add_argument("--turn-len", type=int, default=768, help="multi-turn: new tokens per turn")
+    p.add_argument("--think-time", type=float, default=0.25, help="multi-turn: model seconds")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--slo-ttft", type=float, default=1.0, help="model seconds")
     p.add_argument("--slo-tpot", type=float, default=0.050, help="model seconds")
@@ -233,8 +245,9 @@ def parse_args() -> argparse.Namespace:
                    help="replace the generated block of the prefix section in this file")
     args = p.parse_args()
     if args.quick:
-        args.rates = "4.5,10.125" if args.rates == p.get_default("rates") else args.rates
-        args.requests = 48 if args.requests == p.get_default("requests") else args.requests
+        args.rates = "10.125,15.1875" if args.rates == p.get_default("rates") else args.rates
+        args.run_seconds = 1.5 if args.run_seconds == p.get_default("run_seconds") else (
+            args.run_seconds)
         args.repeats = 1
     args.clusters = args.clusters.split(",")
     args.workloads = args.workloads.split(",")

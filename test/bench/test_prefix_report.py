@@ -99,24 +99,24 @@ def test_measure_skips_the_warm_up_and_counts_errors_as_misses() -> None:
 
 
 def test_requests_are_the_same_for_every_target_and_sized_by_rate() -> None:
-    args = argparse.Namespace(requests=40, output_len=8, seed=0, prefix_len=64, groups=4,
+    args = argparse.Namespace(run_seconds=4.0, output_len=8, seed=0, prefix_len=64, groups=4,
                               users_per_group=2, query_len=16, turns=4, turn_len=32,
                               think_time=0.5)
     a = prefix_eval.build_requests(args, "prefix-groups", 10.0, None, 1)
     assert a == prefix_eval.build_requests(args, "prefix-groups", 10.0, None, 1)
-    assert len(a) == 40 and 2.5 < max(r.arrival_s for r in a) < 6.5  # 40 at 10/s
+    assert len(a) == 40 and 2.5 < max(r.arrival_s for r in a) < 6.5  # 4 s at 10/s
+    assert len(prefix_eval.build_requests(args, "prefix-groups", 20.0, None, 1)) == 80
     chats = prefix_eval.build_requests(args, "multi-turn", 10.0, None, 1)
     assert len(chats) == 40 and sum(r.after is None for r in chats) == 10
 
 
 def test_plan_and_time_estimate() -> None:
     args = argparse.Namespace(clusters=["8R", "4P1D"], workloads=["prefix-groups", "multi-turn"],
-                              rates=[4.0, 8.0], quick=True, requests=80, time_scale=8.0,
-                              targets=[1, 2], repeats=1)
+                              rates=[4.0, 8.0], quick=True, run_seconds=2.0, time_scale=8.0,
+                              targets=[1, 2], repeats=1, turns=4, think_time=0.25)
     assert prefix_eval.plan(args) == [("8R", "prefix-groups", 4.0), ("8R", "prefix-groups", 8.0),
                                       ("8R", "multi-turn", 8.0), ("4P1D", "prefix-groups", 4.0),
                                       ("4P1D", "prefix-groups", 8.0), ("4P1D", "multi-turn", 8.0)]
-    # 8R at 4/worker: 32 model req/s = 4 wall req/s -> 20 s of requests per run
-    per_run = prefix_eval.RUN_OVERHEAD_S + 5.0
-    expected = 2 * ((20 + 10 + 10) + (40 + 20 + 20) + 6 * per_run)
-    assert prefix_eval.estimate_s(args) == pytest.approx(expected)
+    # groups: 2 s of arrivals + 1 s drain; chats: 2 s + 4 turns x 0.75 s; all x 8, + overhead
+    groups, chats = (2 + 1) * 8 + prefix_eval.RUN_OVERHEAD_S, (2 + 3) * 8 + prefix_eval.RUN_OVERHEAD_S
+    assert prefix_eval.estimate_s(args) == pytest.approx(2 * 2 * (2 * groups + chats))
