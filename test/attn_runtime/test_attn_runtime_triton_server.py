@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 import torch
+from attn_serving import generate, masked_greedy, patterned_server, saved_pattern
 
-from omni_testing import post_json
 from omniinfer.attn import evaluator, masks
-from omniinfer.attn.pattern import Pattern, from_layers
+from omniinfer.attn.pattern import Pattern
+from omniinfer.launch import cpu_env
 
 pytestmark = pytest.mark.server
 
@@ -29,44 +30,20 @@ PROMPT_LENS = (40, 70)  # both cross sink + recent, the second over several page
 @pytest.fixture(scope="module")
 def pattern(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
             ) -> tuple[Pattern, Path]:
-    from transformers import AutoConfig
-
-    model = tiny_models["llama"]
-    made = from_layers([0], AutoConfig.from_pretrained(model), SINK, RECENT, str(model))
-    path = tmp_path_factory.mktemp("triton-pattern") / "pattern.json"
-    made.save(path)
-    return made, path
+    return saved_pattern(tiny_models["llama"], [0], SINK, RECENT,
+                         tmp_path_factory.mktemp("triton-pattern"))
 
 
 @pytest.fixture(scope="module")
 def server(tiny_models: dict[str, Path], pattern: tuple[Pattern, Path],
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
-
-    port = free_port()
-    command = cpu_server_command(
-        tiny_models["llama"], port, max_total_tokens=2048,
-        extra_args=["--omni-attn-pattern", str(pattern[1]), "--attention-backend", "omni_triton",
-                    "--page-size", str(PAGE), "--swa-full-tokens-ratio", "0.5"],
-    )
     env = cpu_env()
     env["TRITON_INTERPRET"] = "1"
     log = tmp_path_factory.mktemp("logs") / "triton-attn-server.log"
-    with SGLangServer(command, env, log, port, ready_timeout_s=600) as running:
+    extra = ["--attention-backend", "omni_triton", "--page-size", str(PAGE),
+             "--swa-full-tokens-ratio", "0.5"]
+    with patterned_server(tiny_models["llama"], pattern[1], 2048, extra, log, env) as running:
         yield running
-
-
-def _greedy(model: Any, prompt: list[int], windows: masks.Windows | None) -> list[int]:
-    from transformers import DynamicCache
-
-    cache, out, step = DynamicCache(config=model.config), [], torch.tensor([prompt])
-    with torch.inference_mode():
-        for _ in range(NEW_TOKENS):
-            logits = model(input_ids=step, past_key_values=cache, use_cache=True,
-                           omni_windows=windows).logits[0, -1]
-            out.append(int(logits.argmax()))
-            step = torch.tensor([[out[-1]]])
-    return out
 
 
 def test_omni_triton_server_equals_the_masked_evaluator(
@@ -77,14 +54,10 @@ def test_omni_triton_server_equals_the_masked_evaluator(
     changed = 0
     for length in PROMPT_LENS:
         prompt = torch.randint(10, model.config.vocab_size, (length,), generator=gen).tolist()
-        reply = post_json(f"{server.base_url}/generate", {
-            "input_ids": prompt,
-            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0,
-                                "ignore_eos": True},
-        }, timeout=600)
-        want = _greedy(model, prompt, windows)
+        reply = generate(server.base_url, prompt, NEW_TOKENS, timeout=600)
+        want = masked_greedy(model, prompt, NEW_TOKENS, windows)
         assert reply["output_ids"] == want, length
-        changed += want != _greedy(model, prompt, None)
+        changed += want != masked_greedy(model, prompt, NEW_TOKENS, None)
     assert changed > 0  # the window matters for these prompts, so equality means something
 
 
@@ -97,11 +70,7 @@ def test_omni_triton_reuses_a_shared_prefix_exactly(
     cached = []
     for _ in range(4):
         prompt = prefix + torch.randint(10, model.config.vocab_size, (20,), generator=gen).tolist()
-        reply = post_json(f"{server.base_url}/generate", {
-            "input_ids": prompt,
-            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0,
-                                "ignore_eos": True},
-        }, timeout=600)
-        assert reply["output_ids"] == _greedy(model, prompt, windows)
+        reply = generate(server.base_url, prompt, NEW_TOKENS, timeout=600)
+        assert reply["output_ids"] == masked_greedy(model, prompt, NEW_TOKENS, windows)
         cached.append(reply["meta_info"]["cached_tokens"])
     assert max(cached[2:]) >= 4 * PAGE, cached  # past the sink's page: the prefix was reused

@@ -1,0 +1,102 @@
+"""What the patterned real-server tests share: the server, its routes, the evaluator's greedy.
+
+Each test module starts its own server (its flags are what it pins), through
+:func:`patterned_server`; outputs are compared with :func:`masked_greedy`, the evaluator's
+masked model decoding greedily over a cache that keeps every token.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omni_testing import post_json
+from omniinfer.attn import masks, text
+from omniinfer.attn.pattern import Pattern, from_layers
+from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
+
+SINK, RECENT = 16, 64  # the SmolLM2 servers' pattern (conftest's ``pattern``)
+
+
+@contextmanager
+def patterned_server(model: Path, pattern_path: Path, max_total_tokens: int,
+                     extra_args: Sequence[str], log: Path,
+                     env: dict[str, str] | None = None) -> Iterator[SGLangServer]:
+    """A real CPU server with ``--omni-attn-pattern pattern_path`` and ``extra_args``."""
+    port = free_port()
+    command = cpu_server_command(
+        model, port, max_total_tokens=max_total_tokens,
+        extra_args=["--omni-attn-pattern", str(pattern_path), *extra_args])
+    with SGLangServer(command, env or cpu_env(), log, port, ready_timeout_s=600) as running:
+        yield running
+
+
+def saved_pattern(model: Path, layers: Sequence[int], sink: int, recent: int,
+                  folder: Path) -> tuple[Pattern, Path]:
+    """A pattern compressing ``layers`` of ``model``, and the file it is saved to in ``folder``."""
+    from transformers import AutoConfig
+
+    made = from_layers(layers, AutoConfig.from_pretrained(model), sink, recent, str(model))
+    path = folder / "pattern.json"
+    made.save(path)
+    return made, path
+
+
+def windows(pattern: Pattern) -> masks.Windows:
+    """The evaluator's per-layer windows for a pattern."""
+    return masks.windows_for(pattern.mask, pattern.sink, pattern.recent)
+
+
+def masked_greedy(model: Any, prompt: list[int], new: int,
+                  layer_windows: masks.Windows | None) -> list[int]:
+    """Greedy decoding under the evaluator's masks (None: the full model), over a cache that
+    keeps every token."""
+    from transformers import DynamicCache
+
+    cache, out, step = DynamicCache(config=model.config), [], torch.tensor([prompt])
+    with torch.inference_mode():
+        for _ in range(new):
+            logits = model(input_ids=step, past_key_values=cache, use_cache=True,
+                           omni_windows=layer_windows).logits[0, -1]
+            out.append(int(logits.argmax()))
+            step = torch.tensor([[out[-1]]])
+    return out
+
+
+def generate(base_url: str, prompt: list[int], new: int, timeout: float = 1800) -> dict[str, Any]:
+    """One greedy ``/generate`` of ``new`` tokens that ignores EOS."""
+    return post_json(f"{base_url}/generate", {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True},
+    }, timeout=timeout)
+
+
+def attn_status(base_url: str) -> dict[str, Any]:
+    """The server's ``/omni/attn`` status."""
+    with urllib.request.urlopen(f"{base_url}/omni/attn", timeout=30) as reply:
+        return json.loads(reply.read())
+
+
+def wait_status(base_url: str, settled: Callable[[dict[str, Any]], bool],
+                timeout_s: float = 60.0) -> dict[str, Any]:
+    """Poll ``/omni/attn`` until ``settled(status)`` or the deadline; the last status read."""
+    deadline = time.monotonic() + timeout_s
+    status = attn_status(base_url)
+    while not settled(status) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        status = attn_status(base_url)
+    return status
+
+
+def book_tokens(model: Path, start: int, end: int) -> list[int]:
+    """Token ids of characters ``start:end`` of the packaged book text."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model).encode(text.read("paradise_lost")[start:end])
