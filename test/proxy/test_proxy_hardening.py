@@ -209,3 +209,45 @@ def test_slow_heads_slow_bodies_and_too_many_connections(two: dict[str, Any]) ->
         for s in (*held, refused):
             s.close()
         assert wait_until(lambda: get(router.base_url + "/health")[0] == 200, 10)
+
+
+def test_a_worker_cookie_is_not_replayed_on_other_clients_requests() -> None:
+    """A worker (or a balancer before it) that sets a cookie for one answer must not get it back
+    on the requests the router sends for everyone else."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from omniinfer.proxy.config import RouterConfig
+    from omniinfer.proxy.core import Router
+    from omniinfer.proxy.upstream import post as upstream_post
+    from omniinfer.proxy.upstream import read_all
+
+    async def run() -> list[str | None]:
+        seen: list[str | None] = []
+
+        async def generate(request: web.Request) -> web.Response:
+            seen.append(request.headers.get("Cookie"))
+            answer = web.json_response({"text": "ok"})
+            answer.set_cookie("session", f"user-{len(seen)}")
+            return answer
+
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        app.router.add_get("/health", lambda _: web.json_response({}))
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        # a host name, not an IP: aiohttp's default jar keeps cookies only from names
+        router = Router(RouterConfig(worker_urls=[f"http://localhost:{server.port}"],
+                                     disable_health_check=True, loads_poll_interval_secs=0))
+        await router.start()
+        try:
+            worker = router.pool.all()[0]
+            for _ in range(3):
+                await read_all(await upstream_post(router, worker, "/generate", b"{}", False),
+                               worker)
+        finally:
+            await router.close()
+            await server.close()
+        return seen
+
+    assert asyncio.run(run()) == [None, None, None]

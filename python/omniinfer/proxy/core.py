@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import secrets
+import sys
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -91,8 +92,11 @@ class Router:
     async def start(self) -> None:
         self._loop_ref = asyncio.get_running_loop()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+        # no cookie jar: a Set-Cookie from one worker answer must not ride on every later
+        # request (other users'), and an empty jar is still looked up on each request
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                              headers=self.session_headers,
+                                             cookie_jar=aiohttp.DummyCookieJar(),
                                              skip_auto_headers=("User-Agent",))
         await self.check_health(initial=True)
         self.tokenizer = await self._find_tokenizer()
@@ -404,4 +408,6 @@ class Router:
                               "distinct": idx.distinct(), "cap_per_worker": idx.max_blocks}
                  for role, idx in self.indexes.items() if idx.distinct()}
         return {"prefix_index": index, "background_tasks": len(self._tasks),
-                "metric_series": self.metrics.series()}
+                "metric_series": self.metrics.series(),
+                # live Python objects' memory blocks: RSS keeps its high-water mark, this does not
+                "python_allocated_blocks": sys.getallocatedblocks()}
