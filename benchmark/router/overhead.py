@@ -188,6 +188,7 @@ def wait_kv_subscribed(base: str, deadline_s: float = 30.0) -> None:
 
 # ---- load -------------------------------------------------------------------------------------
 HEADERS = {"Content-Type": "application/json"}
+WARM_BURST = 32  # concurrent requests in each warm-up burst
 
 
 def payloads(count: int, prompt_tokens: int) -> list[bytes]:
@@ -229,8 +230,13 @@ async def open_loop(url: str, rate: float, duration: float, prompt_tokens: int, 
                 return
             latencies.append(time.perf_counter() - t0)
 
-        for i in range(warm):  # warm the connection pools
+        # warm up, then open the connection pools a burst needs (client -> router -> workers):
+        # a connection opened mid-run would be charged to the requests that waited for it
+        for i in range(warm - WARM_BURST * 3):
             await one(bodies[i])
+        for k in range(3):
+            start = warm - WARM_BURST * (3 - k)
+            await asyncio.gather(*(one(bodies[start + j]) for j in range(WARM_BURST)))
         latencies.clear()
         errors = 0
         cpu_start = cpu_seconds(pid)

@@ -6,9 +6,15 @@ the first event, and bad inputs (deep nesting, huge numbers, wrong types, garbag
 while and thawed. At the end it prints requests sent, faults injected, bad inputs tried,
 requests lost (no answer, or a stream without its end: must be 0), 5xx answers to bad inputs
 (must be 0), the router's RSS after warm-up and at the end, and the router's in-flight counters
-once traffic stopped (must all be 0).
+once traffic stopped (must all be 0). Every --sample-every seconds it also records the router's
+RSS beside its live Python heap (allocated blocks), its largest table (prefix-index blocks per
+worker, each capped by --max-tree-size / --apc-block-size) and the requests in flight, prints
+that series, writes it to the results and plots it (PNG beside the results). A leak grows the
+live heap; RSS alone keeps the allocator's high-water mark (bursts of requests in flight while
+a worker hangs, the index growing to its cap), so it may step up and then stays flat.
 
   python benchmark/router/soak.py --minutes 20 --rate 10
+  python benchmark/router/soak.py --minutes 5 --max-tree-size 16384   # caps reached early
 """
 
 from __future__ import annotations
@@ -162,19 +168,55 @@ def counters(state: dict[str, Any]) -> dict[str, int]:
     return out
 
 
+def index_blocks(state: dict[str, Any]) -> int:
+    """Blocks in the router's prefix indexes, all roles and workers."""
+    index = state.get("tables", {}).get("prefix_index", {})
+    return sum(sum(role["blocks"].values()) for role in index.values())
+
+
+def point(state: dict[str, Any], t_s: float | None, rss: int) -> dict[str, Any]:
+    """One point of the memory series from a /list_workers answer."""
+    tables = state.get("tables", {})
+    return {"t_s": t_s, "rss_kib": rss, "prefix_blocks": index_blocks(state),
+            "python_blocks": tables.get("python_allocated_blocks"),
+            "in_flight": state["admission"]["active"],
+            "open_connections": (state.get("connections") or {}).get("open"),
+            "background_tasks": tables.get("background_tasks"),
+            "metric_series": tables.get("metric_series")}
+
+
+async def sample(session: aiohttp.ClientSession, base: str, pid: int, start: float,
+                 series: list[dict[str, Any]]) -> None:
+    """One point of the memory series: RSS beside the router's table sizes and live heap."""
+    try:
+        async with session.get(base + "/list_workers", headers={"Authorization": f"Bearer {KEY}"},
+                               timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            state = await resp.json()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return
+    series.append(point(state, round(time.monotonic() - start, 1), rss_kib(pid)))
+
+
 async def traffic(base: str, workers: list[Worker], args: argparse.Namespace,
-                  tally: Tally, router_pid: int, rss: dict[str, int]) -> None:
+                  tally: Tally, router_pid: int, rss: dict[str, int],
+                  series: list[dict[str, Any]]) -> None:
     kinds = ["normal"] * 45 + ["stream"] * 25 + ["leave"] * 10 + ["bad"] * 20
     duration = args.minutes * 60
     warmup = min(120.0, duration * 0.1)
     start = time.monotonic()
     next_fault = start + args.fault_every
+    next_sample = start
     tasks: set[asyncio.Task[None]] = set()
     i = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         while (now := time.monotonic()) - start < duration:
             if "warm" not in rss and now - start >= warmup:
                 rss["warm"] = rss_kib(router_pid)
+            if now >= next_sample:
+                next_sample = now + args.sample_every
+                task = asyncio.create_task(sample(session, base, router_pid, start, series))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
             if now >= next_fault:
                 next_fault = now + args.fault_every
                 asyncio.get_running_loop().run_in_executor(None, fault, workers, tally)
@@ -201,6 +243,54 @@ def fault(workers: list[Worker], tally: Tally) -> None:
         victim.signal(signal.SIGCONT)
 
 
+def growth(series: list[dict[str, Any]], duration_s: float) -> dict[str, Any]:
+    """Memory after warm-up (the first tenth of the run, at most 2 min): RSS and the live
+    Python heap (allocated blocks) at its start, half-way and at the end, and the prefix
+    index's peak. A leak grows the live heap; the allocator keeps RSS at its high-water mark
+    (a burst of in-flight requests during a fault, the index growing to its cap)."""
+    warm = min(120.0, duration_s * 0.1)
+    points = [p for p in series if p["t_s"] is not None and p["t_s"] >= warm]
+    if len(points) < 3:
+        return {}
+    first, middle, last = points[0], points[len(points) // 2], points[-1]
+    return {"after_s": warm,
+            "rss_kib": [first["rss_kib"], middle["rss_kib"], last["rss_kib"]],
+            "rss_growth_kib": last["rss_kib"] - first["rss_kib"],
+            "rss_growth_second_half_kib": last["rss_kib"] - middle["rss_kib"],
+            "python_blocks": [first["python_blocks"], middle["python_blocks"],
+                              last["python_blocks"]],
+            "prefix_blocks_peak": max(p["prefix_blocks"] for p in points),
+            "prefix_blocks_end": last["prefix_blocks"],
+            "in_flight_peak": max(p["in_flight"] for p in points)}
+
+
+def plot(series: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [p for p in series if p["t_s"] is not None]
+    if not points:
+        return
+    t = [p["t_s"] / 60 for p in points]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
+    top.plot(t, [p["rss_kib"] / 1024 for p in points], color="tab:blue", label="RSS (MiB)")
+    top.set_ylabel("RSS (MiB)", color="tab:blue")
+    heap = top.twinx()
+    heap.plot(t, [p["python_blocks"] / 1000 for p in points], color="tab:green")
+    heap.set_ylabel("live Python blocks (K)", color="tab:green")
+    top.set_title("OmniProxy soak: RSS, live heap, prefix index, requests in flight")
+    bottom.plot(t, [p["prefix_blocks"] for p in points], color="tab:orange")
+    bottom.set_ylabel("prefix-index blocks", color="tab:orange")
+    bottom.set_xlabel("minutes")
+    flight = bottom.twinx()
+    flight.plot(t, [p["in_flight"] for p in points], color="tab:red", linewidth=0.8)
+    flight.set_ylabel("requests in flight", color="tab:red")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=20.0)
@@ -208,12 +298,17 @@ def main() -> int:
     ap.add_argument("--fault-every", type=float, default=30.0, help="seconds between faults")
     ap.add_argument("--policy", default="oas", help="prefill and decode policy")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sample-every", type=float, default=10.0,
+                    help="seconds between two points of the RSS / table-size series")
+    ap.add_argument("--max-tree-size", type=int, default=None,
+                    help="the router's prefix-index cap in tokens per worker (default: its own)")
     ap.add_argument("--out", default=str(HERE / "soak.json"))
     args = ap.parse_args()
     random.seed(args.seed)
     log_dir = Path(tempfile.mkdtemp(prefix="omniproxy-soak-"))
     workers = [Worker("prefill", log_dir), Worker("prefill", log_dir), Worker("decode", log_dir)]
     tally, rss = Tally(), {}
+    series: list[dict[str, Any]] = []
     try:
         for w in workers:
             w.start()
@@ -223,6 +318,8 @@ def main() -> int:
                        "--upstream-first-byte-timeout-secs", "15",
                        "--upstream-idle-timeout-secs", "10", "--log-level", "warn",
                        "--access-log", str(log_dir / "access.jsonl")]
+        if args.max_tree_size:
+            router_args += ["--max-tree-size", str(args.max_tree_size)]
         for w in workers:
             router_args += (["--prefill", w.url, str(w.bootstrap)] if w.mode == "prefill"
                             else ["--decode", w.url])
@@ -230,7 +327,7 @@ def main() -> int:
             assert router.process is not None
             pid = router.process.pid
             rss["start"] = rss_kib(pid)
-            asyncio.run(traffic(router.base_url, workers, args, tally, pid, rss))
+            asyncio.run(traffic(router.base_url, workers, args, tally, pid, rss, series))
             for w in workers:  # faults over: every worker back before the final reading
                 w.signal(signal.SIGCONT)
             deadline = time.monotonic() + 60
@@ -240,6 +337,8 @@ def main() -> int:
                     break
                 time.sleep(0.5)
             rss["end"] = rss_kib(pid)
+            final = describe(router.base_url)
+            series.append(point(final, None, rss["end"]))
     finally:
         for w in workers:
             w.stop()
@@ -249,11 +348,18 @@ def main() -> int:
                "faults_injected": sum(v for k, v in tally.counts.items()
                                       if k.startswith("fault_")),
                "requests_lost": len(tally.lost), "bad_input_5xx": len(tally.bad_5xx),
-               "router_rss_kib": rss, "inflight_at_end": {k: v for k, v in left.items() if v},
+               "router_rss_kib": rss, "memory": growth(series, args.minutes * 60),
+               "rss_series": series, "prefix_index_at_end": final["tables"]["prefix_index"],
+               "inflight_at_end": {k: v for k, v in left.items() if v},
                "counts": dict(sorted(tally.counts.items())), "lost_examples": tally.lost[:10],
                "bad_5xx_examples": tally.bad_5xx[:10], "logs": str(log_dir)}
     Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in summary.items() if k != "counts"}, indent=1))
+    print(json.dumps({k: v for k, v in summary.items()
+                      if k not in ("counts", "rss_series", "prefix_index_at_end")}, indent=1))
+    print("memory series (s: RSS MiB / live Python blocks / prefix-index blocks / in flight):",
+          ", ".join(f"{p['t_s']}: {p['rss_kib'] / 1024:.1f} / {p['python_blocks']} / "
+                    f"{p['prefix_blocks']} / {p['in_flight']}" for p in series))
+    plot(series, Path(args.out).with_suffix(".png"))
     print("counts:", summary["counts"])
     ok = not tally.lost and not tally.bad_5xx and not summary["inflight_at_end"]
     print("PASS" if ok else "FAIL")
