@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads (0: torch's default); 1 is far faster than 2 when "
                         "another job holds a core, since the threads wait for each other")
+    p.add_argument("--long-patterns", default="ga",
+                   help="which of the reported patterns get the long-context check")
     p.add_argument("--out", type=Path, default=HERE / "results" / "generalise")
     p.add_argument("--write-pattern", type=Path, default=None)
     return p.parse_args(argv)
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         scores = Scores(run / f"unseen-{context}.json",
                         evaluator_for(unseen_texts, "all", context, count))
         long[str(context)] = {label: scores.get(candidates[label])
-                              for label in ("ga", f"first-{args.layers}") if label in candidates}
+                              for label in args.long_patterns.split(",") if label in candidates}
 
     print_tables(args, candidates, report, long, search_texts, unseen_texts)
     results = {
