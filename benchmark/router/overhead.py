@@ -74,8 +74,8 @@ class EchoCache:
             self.recorder.removed(self.prefix_hash, self.tails.popleft())
 
 
-def serve_echo(port: int, api_key: str | None = None, kv_port: int | None = None,
-               shared_tokens: int = 0) -> None:
+def echo_app(api_key: str | None = None, kv_port: int | None = None,
+             shared_tokens: int = 0) -> Any:
     """An SGLang-shaped worker that answers immediately (no model): the overhead floor. With
     ``kv_port`` it also publishes KV events (``EchoCache``) on ``tcp://127.0.0.1:kv_port``."""
     from aiohttp import web
@@ -113,22 +113,35 @@ def serve_echo(port: int, api_key: str | None = None, kv_port: int | None = None
     async def open_publisher(_: web.Application) -> None:
         publisher.start()
 
+    async def close_publisher(_: web.Application) -> None:
+        await publisher.close()
+
     app = web.Application()
     if publisher is not None:
         app.on_startup.append(open_publisher)
+        app.on_cleanup.append(close_publisher)
     app.router.add_post("/generate", gen)
     for path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info"):
         app.router.add_get(path, info)
     for path in ("/health", "/health_generate"):
         app.router.add_get(path, ok)
     app.router.add_get("/v1/models", lambda _: web.json_response({"data": [{"id": "echo"}]}))
+    return app
+
+
+def serve_echo(port: int, api_key: str | None = None, kv_port: int | None = None,
+               shared_tokens: int = 0) -> None:
+    """Run ``echo_app`` as its own process (on uvloop when installed)."""
+    from aiohttp import web
+
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    web.run_app(echo_app(api_key, kv_port, shared_tokens), host="127.0.0.1", port=port,
+                print=None, access_log=None)
 
 
 # ---- processes --------------------------------------------------------------------------------

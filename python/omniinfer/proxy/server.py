@@ -203,7 +203,24 @@ def build_app(router: Router) -> web.Application:
     return app
 
 
-async def _serve(config: RouterConfig) -> None:
+class Serving:
+    """A started router and its listening sockets: what ``serve`` runs until a signal, and what
+    an in-process benchmark or test drives from its own event loop."""
+
+    def __init__(self, router: Router, runner: web.AppRunner, listener: Listener,
+                 extra: web.AppRunner | None) -> None:
+        self.router, self.runner, self.listener, self.extra = router, runner, listener, extra
+
+    async def close(self) -> None:
+        await self.listener.close()
+        await self.runner.cleanup()
+        if self.extra is not None:
+            await self.extra.cleanup()
+        await self.router.close()
+
+
+async def open_router(config: RouterConfig) -> Serving:
+    """Start the router on the running loop and listen on ``config.host:config.port``."""
     router = Router(config)
     await router.start()
     gc.collect()
@@ -224,6 +241,12 @@ async def _serve(config: RouterConfig) -> None:
         await extra.setup()
         await web.TCPSite(extra, config.prometheus_host or config.host,
                           config.prometheus_port).start()
+    return Serving(router, runner, listener, extra)
+
+
+async def _serve(config: RouterConfig) -> None:
+    serving = await open_router(config)
+    router = serving.router
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -235,11 +258,7 @@ async def _serve(config: RouterConfig) -> None:
              {r.value: p.name for r, p in router.policies.items()}, workers)
     await stop.wait()
     log.info("shutting down")
-    await listener.close()
-    await runner.cleanup()
-    if extra is not None:
-        await extra.cleanup()
-    await router.close()
+    await serving.close()
 
 
 def serve(config: RouterConfig) -> int:
