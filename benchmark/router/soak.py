@@ -352,7 +352,7 @@ def main() -> int:
                "rss_series": series, "prefix_index_at_end": final["tables"]["prefix_index"],
                "inflight_at_end": {k: v for k, v in left.items() if v},
                "counts": dict(sorted(tally.counts.items())), "lost_examples": tally.lost[:10],
-               "bad_5xx_examples": tally.bad_5xx[:10], "logs": str(log_dir)}
+               "bad_5xx_examples": tally.bad_5xx[:10]}
     Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: v for k, v in summary.items()
                       if k not in ("counts", "rss_series", "prefix_index_at_end")}, indent=1))
@@ -361,6 +361,7 @@ def main() -> int:
                     f"{p['prefix_blocks']} / {p['in_flight']}" for p in series))
     plot(series, Path(args.out).with_suffix(".png"))
     print("counts:", summary["counts"])
+    print("process logs:", log_dir)
     ok = not tally.lost and not tally.bad_5xx and not summary["inflight_at_end"]
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
