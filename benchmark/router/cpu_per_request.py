@@ -9,6 +9,7 @@ stack) are not in it, so it is lower than overhead.py's per-process figure.
 
   python benchmark/router/cpu_per_request.py --policy round_robin
   python benchmark/router/cpu_per_request.py --policy oas --kv-events
+  python benchmark/router/cpu_per_request.py --floor   # a minimal aiohttp proxy, for scale
 Before/after a change: run it once from a checkout of each (e.g. ``git archive REV python | tar
 -x -C /tmp/before`` and ``PYTHONPATH=/tmp/before/python python benchmark/router/...``).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import logging
 import sys
@@ -29,10 +31,70 @@ from aiohttp import web
 
 from omniinfer.launch import free_port
 from omniinfer.proxy.config import RouterConfig
-from omniinfer.proxy.server import open_router
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import echo_app, payloads  # noqa: E402
+
+
+async def start_router(config: RouterConfig) -> Any:
+    """``server.open_router``; on a checkout from before it, the same steps by hand (so that a
+    before/after comparison runs this one script against both)."""
+    try:
+        from omniinfer.proxy.server import open_router
+    except ImportError:
+        pass
+    else:
+        return await open_router(config)
+    from omniinfer.proxy.core import Router
+    from omniinfer.proxy.listener import Listener
+    from omniinfer.proxy.server import build_app
+
+    router = Router(config)
+    await router.start()
+    runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    listener = Listener(runner.server, config.max_connections, config.client_header_timeout_secs)
+    router.listener = listener
+    await listener.start(config.host, config.port)
+
+    class Serving:
+        async def close(self) -> None:
+            await listener.close()
+            await runner.cleanup()
+            await router.close()
+
+    serving = Serving()
+    serving.router = router  # type: ignore[attr-defined]
+    return serving
+
+
+async def start_floor(config: RouterConfig) -> Any:
+    """The least an aiohttp proxy does (read, post to a worker in turn, answer): the floor the
+    router's own work sits on."""
+    workers = itertools.cycle(config.worker_urls)
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                    auto_decompress=False,
+                                    headers={"Authorization": f"Bearer {config.api_key}"})
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.read()
+        async with session.post(next(workers) + "/generate", data=body,
+                                headers={"Content-Type": "application/json"}) as resp:
+            data = await resp.read()
+        return web.Response(body=data, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+
+    class Serving:
+        async def close(self) -> None:
+            await runner.cleanup()
+            await session.close()
+
+    return Serving()
 
 
 async def per_request(url: str, bodies: list[bytes], headers: dict[str, str], requests: int,
@@ -90,9 +152,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                           policy=args.policy, max_concurrent_requests=0, api_key=args.api_key,
                           cache_truth="kv-events" if args.kv_events else "router",
                           log_level="warning")
-    serving = await open_router(config)
+    serving = await (start_floor(config) if args.floor else start_router(config))
     try:
-        if args.kv_events:
+        if args.kv_events and not args.floor:
             await subscribed(serving.router)
         headers = {"Content-Type": "application/json"}
         if args.api_key:
@@ -105,7 +167,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await serving.close()
         for runner in runners:
             await runner.cleanup()
-    return {"policy": args.policy, "kv_events": args.kv_events,
+    return {"router": "floor" if args.floor else "omniproxy", "policy": args.policy,
+            "kv_events": args.kv_events,
             "prompt_tokens": args.prompt_tokens, "api_key": bool(args.api_key),
             "concurrency": args.concurrency, "requests": args.requests,
             "direct_us": round(direct, 1), "through_router_us": round(routed, 1),
@@ -124,6 +187,9 @@ def main() -> int:
     p.add_argument("--kv-events", action="store_true",
                    help="the workers publish KV events and the router follows them "
                         "(implies --prompt-tokens 128 unless given)")
+    p.add_argument("--floor", action="store_true",
+                   help="a minimal aiohttp proxy instead of OmniProxy (what any router on this "
+                        "stack pays)")
     p.add_argument("--output", type=Path, default=None, help="also write the result as JSON")
     args = p.parse_args()
     if args.kv_events and args.prompt_tokens <= 0:

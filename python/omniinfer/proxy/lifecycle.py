@@ -32,6 +32,7 @@ class Phase(enum.IntEnum):
 
 
 PHASE_NAMES: tuple[str, ...] = tuple(p.name.lower() for p in Phase)
+_NO_MARKS: tuple[None, ...] = (None,) * len(Phase)  # len(Phase) is a Python-level call
 
 
 class Lifecycle:
@@ -44,7 +45,7 @@ class Lifecycle:
         self.request_id = request_id
         self.arrival = time.perf_counter() if now is None else now
         self.arrival_wall = time.time()
-        self.marks: list[float | None] = [None] * len(Phase)
+        self.marks: list[float | None] = list(_NO_MARKS)
         self.last = -1
         self.first_token: float | None = None
         self.finished: float | None = None
