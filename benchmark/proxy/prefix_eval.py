@@ -60,7 +60,7 @@ CLUSTERS = {"8R": (0, 0, 8), "4P1D": (4, 1, 0)}  # (prefill, decode, regular)
 TARGETS = ("omni:oas", "omni:oas@kv-events", "omni:cache_aware", "sglang:round_robin",
            "sglang:cache_aware", "sglang:power_of_two")
 TOKENIZER = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
-RUN_OVERHEAD_S = 8.0  # flush, router start and stop per run (for the time estimate)
+RUN_OVERHEAD_S = 16.0  # flush, router start and stop, drain past saturation (the --quick run here)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -118,5 +118,6 @@ def test_plan_and_time_estimate() -> None:
                                       ("8R", "multi-turn", 8.0), ("4P1D", "prefix-groups", 4.0),
                                       ("4P1D", "prefix-groups", 8.0), ("4P1D", "multi-turn", 8.0)]
     # groups: 2 s of arrivals + 1 s drain; chats: 2 s + 4 turns x 0.75 s; all x 8, + overhead
-    groups, chats = (2 + 1) * 8 + prefix_eval.RUN_OVERHEAD_S, (2 + 3) * 8 + prefix_eval.RUN_OVERHEAD_S
+    overhead = prefix_eval.RUN_OVERHEAD_S
+    groups, chats = (2 + 1) * 8 + overhead, (2 + 3) * 8 + overhead
     assert prefix_eval.estimate_s(args) == pytest.approx(2 * 2 * (2 * groups + chats))
