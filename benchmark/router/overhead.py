@@ -175,10 +175,17 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, all its threads (a steady measure of its work per
-    request even on a shared machine, unlike wall latency)."""
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system
+    """User + system CPU time of a process and its live children, all their threads (a router
+    launcher may run the router in a child)."""
+    process = psutil.Process(pid)
+    total = 0.0
+    for p in (process, *process.children(recursive=True)):
+        try:
+            times = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
 
 
 def wait_kv_subscribed(base: str, deadline_s: float = 30.0) -> None:
@@ -413,8 +420,8 @@ def main() -> int:
         print(f"{run['target']:<15}{run['rate']:>7.0f}{run['p50_ms']:>10.3f}{run['p99_ms']:>10.3f}"
               f"{run.get('added_p50_ms', 0.0):>11.3f}{run.get('added_p99_ms', 0.0):>11.3f}"
               f"{run['cpu_ms_per_request']:>12.3f}{run['errors']:>8}{note}")
-    print("cpu ms/req: the router's CPU time (user + system, all threads) per request sent; "
-          "for direct, the echo worker's")
+    print("cpu ms/req: the router's CPU time (user + system, all threads and child processes) "
+          "per request sent; for direct, the echo worker's")
     for name, value in results.get("max_throughput_rps", {}).items():
         cpu = results["throughput_cpu_ms_per_request"][name]
         print(f"max throughput {name:<14} {value:8.0f} req/s (closed loop, {args.concurrency} "
