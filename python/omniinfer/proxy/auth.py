@@ -14,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
 
 import orjson
 from aiohttp import web
+
+from omniinfer.net import is_loopback
 
 audit_log = logging.getLogger("omniinfer.proxy.audit")
 log = logging.getLogger("omniinfer.proxy")
@@ -60,15 +61,6 @@ def parse_control_plane_keys(entries: list[str]) -> dict[bytes, Principal]:
                              f"admin or user; got {entry.split(':', 1)[0]!r}...")
         out[_digest(parts[3])] = Principal(parts[0], parts[1], parts[2])
     return out
-
-
-def is_loopback(remote: str | None) -> bool:
-    if not remote:
-        return False  # a Unix socket or unknown peer is not trusted implicitly
-    try:
-        return ipaddress.ip_address(remote.split("%", 1)[0]).is_loopback
-    except ValueError:
-        return False
 
 
 class Guard:

@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import zmq
@@ -41,7 +41,7 @@ from omniinfer.kv_events import (
     seq_from,
     split_tcp,
 )
-from omniinfer.net import is_loopback as _loopback
+from omniinfer.net import is_loopback
 from omniinfer.proxy.cache_truth import SequenceCheck, WorkerCacheTruth
 from omniinfer.proxy.prefix import PrefixIndex
 from omniinfer.proxy.workers import Role, Worker
@@ -99,7 +99,7 @@ def _dial(endpoint: str, rank: int, worker_host: str) -> str:
     except ValueError as exc:
         raise NoEvents(f"unusable endpoint: {exc}") from None
     bare, own = host.strip("[]"), worker_host.strip("[]")
-    if host not in WILDCARD_HOSTS and bare != own and not (_loopback(bare) and _loopback(own)):
+    if host not in WILDCARD_HOSTS and bare != own and not (is_loopback(bare) and is_loopback(own)):
         raise NoEvents(f"endpoint host {host!r} is not the worker's host {worker_host!r}")
     return dialled
 
@@ -376,6 +376,13 @@ class CacheTruth:
         sub = self._subs.pop(worker.url, None)
         if sub is not None:
             sub.cancel()
+
+    def expect(self, worker: Worker, hashes: Sequence[int]) -> None:
+        """A prompt was sent to ``worker``: its blocks count as held there until the worker's
+        events report them or a deadline passes (events come only once the prefill is done)."""
+        sub = self._subs.get(worker.url)
+        if sub is not None:
+            sub.truth.expect(hashes, time.monotonic())
 
     def forget(self, worker: Worker) -> None:
         """The worker's cache may be gone (re-admitted, flushed): drop what its events said."""
