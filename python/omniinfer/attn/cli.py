@@ -65,9 +65,14 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _windows(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
+def _load(args: argparse.Namespace, sink: int,
+          recent: int) -> tuple[Any, Any, evaluator.Evaluator]:
+    """``--model`` (model, tokenizer) and an evaluator on the windows ``--text/--part/--context/
+    --windows`` choose; OSError or ValueError when the model or the text cannot serve."""
+    model, tokenizer = evaluator.load_model(args.model)
     body = text.part(text.read(args.text), args.part)
-    return text.windows(tokenizer, body, args.context, args.windows)
+    windows = text.windows(tokenizer, body, args.context, args.windows)
+    return model, tokenizer, evaluator.Evaluator(model, windows, sink, recent)
 
 
 def run_search_command(args: argparse.Namespace) -> int:
@@ -84,10 +89,8 @@ def run_search_command(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if not args.model.is_dir():
         return _fail(f"--model: no model folder at {args.model}")
-    model, tokenizer = evaluator.load_model(args.model)
     try:
-        windows = _windows(args, tokenizer)
-        ev = evaluator.Evaluator(model, windows, args.sink, args.recent)
+        model, _, ev = _load(args, args.sink, args.recent)
     except (OSError, ValueError) as exc:
         return _fail(str(exc))
     records: dict[str, dict[str, Any]] = {}
@@ -143,10 +146,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
         found = pattern.load(args.pattern, config=config, model_id=str(args.model))
     except pattern.PatternError as exc:
         return _fail(str(exc))
-    model, tokenizer = evaluator.load_model(args.model)
     try:
-        windows = _windows(args, tokenizer)
-        ev = evaluator.Evaluator(model, windows, found.sink, found.recent)
+        model, tokenizer, ev = _load(args, found.sink, found.recent)
     except (OSError, ValueError) as exc:
         return _fail(str(exc))
     metrics = ev.evaluate(found.mask)

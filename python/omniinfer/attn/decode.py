@@ -32,14 +32,25 @@ def cached_lengths(cache: Any) -> list[int]:
     return [0 if layer.keys is None else int(layer.keys.shape[-2]) for layer in cache.layers]
 
 
-def _feed(model: Any, cache: Any, token: int, position: int) -> torch.Tensor:
-    out = model(
-        input_ids=torch.tensor([[token]]),
-        position_ids=torch.tensor([[position]]),  # caches differ in length per layer
-        past_key_values=cache,
-        use_cache=True,
-    )
-    return out.logits[0, -1].float()
+class _Evicting:
+    """A model fed one token at a time whose cache is cut after every step, as a runtime's is."""
+
+    def __init__(self, model: Any, compressed: Sequence[bool], sink: int, recent: int) -> None:
+        from transformers import DynamicCache
+
+        self.model, self.compressed, self.sink, self.recent = model, compressed, sink, recent
+        self.cache = DynamicCache(config=model.config)
+
+    def feed(self, token: int, position: int) -> torch.Tensor:
+        """The next-token logits after ``token`` at ``position``; then the cache is cut."""
+        out = self.model(
+            input_ids=torch.tensor([[token]]),
+            position_ids=torch.tensor([[position]]),  # caches differ in length per layer
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        evict(self.cache, self.compressed, self.sink, self.recent)
+        return out.logits[0, -1].float()
 
 
 def step_logits(
@@ -47,15 +58,10 @@ def step_logits(
 ) -> tuple[torch.Tensor, list[int]]:
     """Logits [T, vocab] from token-by-token decoding with eviction, and the final cache
     lengths per layer. The model must use a stock attention ("sdpa" or "eager")."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    rows = []
+    run = _Evicting(model, compressed, sink, recent)
     with torch.inference_mode():
-        for position, token in enumerate(input_ids):
-            rows.append(_feed(model, cache, token, position))
-            evict(cache, compressed, sink, recent)
-    return torch.stack(rows), cached_lengths(cache)
+        rows = [run.feed(token, position) for position, token in enumerate(input_ids)]
+    return torch.stack(rows), cached_lengths(run.cache)
 
 
 def greedy(
@@ -67,18 +73,14 @@ def greedy(
     recent: int,
 ) -> list[int]:
     """Greedy continuation of ``prompt`` with a really evicting cache (stock attention)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
+    run = _Evicting(model, compressed, sink, recent)
     ids = list(prompt)
     with torch.inference_mode():
         for position, token in enumerate(ids):
-            logits = _feed(model, cache, token, position)
-            evict(cache, compressed, sink, recent)
+            logits = run.feed(token, position)
         for _ in range(new_tokens):
             ids.append(int(logits.argmax()))
-            logits = _feed(model, cache, ids[-1], len(ids) - 1)
-            evict(cache, compressed, sink, recent)
+            logits = run.feed(ids[-1], len(ids) - 1)
     return ids[len(prompt) :]
 
 
