@@ -67,12 +67,6 @@ class WorkerServer:
         faults: Faults | None = None,
         request_log_size: int = 256,
     ) -> None:
-        self.profile = profile
-        self.port = port
-        self.host = host
-        self.mode = mode
-        self.bootstrap_port = bootstrap_port
-        self.time_scale = time_scale
         self.incremental = incremental_streaming_output
         self.engine = EmulatedEngine(profile, mode=mode, time_scale=time_scale)
         self.tokenizer = self.engine.tokenizer
@@ -124,7 +118,7 @@ class WorkerServer:
             if self.engine.kv.tree is not None:
                 self.engine.kv.tree.attach_events(self.kv_publisher.recorder)
         self.engine.start()
-        if self.mode == "decode":
+        if self.info.mode == "decode":
             self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
 
     async def _on_cleanup(self, _app: web.Application) -> None:
@@ -138,12 +132,12 @@ class WorkerServer:
         """Serve (and the bootstrap endpoint in prefill mode) until cancelled."""
         runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
         await runner.setup()
-        await web.TCPSite(runner, self.host, self.port, backlog=4096).start()
+        await web.TCPSite(runner, self.info.host, self.info.port, backlog=4096).start()
         self._runners.append(runner)
-        if self.mode == "prefill":
-            boot = web.AppRunner(bootstrap_app(self.engine, self.profile), access_log=None)
+        if self.info.mode == "prefill":
+            boot = web.AppRunner(bootstrap_app(self.engine, self.info.profile), access_log=None)
             await boot.setup()
-            await web.TCPSite(boot, self.host, self.bootstrap_port, backlog=4096).start()
+            await web.TCPSite(boot, self.info.host, self.info.bootstrap_port, backlog=4096).start()
             self._runners.append(boot)
 
     async def close(self) -> None:
@@ -210,7 +204,7 @@ class WorkerServer:
             await asyncio.sleep(delay)
 
     async def _overhead(self) -> None:
-        delay = self.profile.cost.request_overhead_s * self.time_scale
+        delay = self.info.profile.cost.request_overhead_s * self.info.time_scale
         if delay > 0:
             await asyncio.sleep(delay)
 
@@ -224,7 +218,7 @@ class WorkerServer:
         request.received_ts = time.time()
         await self._overhead()
         try:
-            if self.mode != "decode":
+            if self.info.mode != "decode":
                 return self.engine.submit(request)
             if pd.bootstrap_room is None or pd.bootstrap_host is None:
                 raise BadRequest("a decode worker needs bootstrap_host, bootstrap_port and bootstrap_room")
@@ -235,7 +229,7 @@ class WorkerServer:
             raise BadRequest(str(exc)) from None
         assert self._client is not None
         try:
-            failed = await pull_kv(self._client, self.profile, request, pd.bootstrap_host,
+            failed = await pull_kv(self._client, self.info.profile, request, pd.bootstrap_host,
                                    pd.bootstrap_port or 8998, pd.bootstrap_room)
         except BaseException:  # the client left: the request must not stay registered
             self.engine.fail(request, "the client left while the KV was on its way")
@@ -279,6 +273,15 @@ class WorkerServer:
         if not request.finished:
             self.engine.abort(request.rid)
 
+    async def _run_whole(self, http: web.Request, request: EmuRequest) -> None:
+        """A non-streamed request run to its end (aborted if the client goes first), then the
+        answer's first-byte delay."""
+        try:
+            await self._wait(http, request)
+        finally:
+            self._abort_if_running(request)
+        await self._first_byte(http)
+
     # -- /generate ----------------------------------------------------------------------------
     async def generate(self, http: web.Request) -> web.StreamResponse:
         body = await self._generation_body(http, openai=False)
@@ -299,11 +302,7 @@ class WorkerServer:
         request = await self._start_request(parsed.prompts[0], parsed.max_new_tokens, parsed, rids[0],
                                             parsed.stream)
         if not parsed.stream:
-            try:
-                await self._wait(http, request)
-            finally:
-                self._abort_if_running(request)
-            await self._first_byte(http)
+            await self._run_whole(http, request)
             if request.error:
                 return _json({"error": {"message": request.error}}, 503)
             return _json(proto.generate_body(request, self.tokenizer, True, dispatch_ts))
@@ -340,7 +339,7 @@ class WorkerServer:
     async def _openai(self, http: web.Request, chat: bool) -> web.StreamResponse:
         body = await self._generation_body(http, openai=True)
         ids, max_tokens, stream, include_usage, pd = proto.parse_openai(
-            body, chat, self.tokenizer, self.profile.model.default_system_prompt
+            body, chat, self.tokenizer, self.info.profile.model.default_system_prompt
         )
         model = body.get("model") if isinstance(body.get("model"), str) else self.model_name
         rid, created = proto.new_id(), int(time.time())
@@ -349,11 +348,7 @@ class WorkerServer:
         error = {"object": "error", "message": request.error, "type": "Service Unavailable",
                  "param": None, "code": 503}
         if not stream:
-            try:
-                await self._wait(http, request)
-            finally:
-                self._abort_if_running(request)
-            await self._first_byte(http)
+            await self._run_whole(http, request)
             if request.error:
                 return _json({**error, "message": request.error}, 503)
             text = self.tokenizer.decode(request.output_ids)
@@ -458,9 +453,10 @@ class WorkerServer:
 
 async def serve_forever(server: WorkerServer) -> None:
     await server.start()
-    mode = "" if server.mode == "null" else f" ({server.mode}, bootstrap port {server.bootstrap_port})"
-    print(f"emulated SGLang worker '{server.profile.name}' on http://{server.host}:{server.port}{mode}, "
-          f"time scale {server.time_scale}", flush=True)
+    info = server.info
+    mode = "" if info.mode == "null" else f" ({info.mode}, bootstrap port {info.bootstrap_port})"
+    print(f"emulated SGLang worker '{info.profile.name}' on http://{info.host}:{info.port}{mode}, "
+          f"time scale {info.time_scale}", flush=True)
     try:
         await asyncio.Event().wait()
     finally:
