@@ -113,3 +113,27 @@ def test_child_of_a_page_in_the_middle_of_a_run() -> None:
     path = trunk[:6] + branch
     assert index.match(block_hashes(path, 4))[KEY] == 2
     assert truth.blocks() == len(set(block_hashes(trunk, 4)) | set(block_hashes(path, 4)))
+
+
+def test_sent_blocks_count_until_the_worker_reports_them_or_their_deadline() -> None:
+    index = PrefixIndex()
+    truth = WorkerCacheTruth(KEY, index, 4, pending_s=10.0)
+    tokens = tuple(range(200, 212))
+    blocks = block_hashes(tokens, 4)
+    truth.expect(blocks, now=0.0)  # routed there, prefill not done: the next request sees it
+    assert index.match(blocks)[KEY] == 3 and truth.describe()["pending_blocks"] == 3
+    _apply(truth, Stored(tuple(range(1, 9)), None, tokens[:8], 1))  # the worker stored 2 blocks
+    assert truth.describe()["pending_blocks"] == 1
+    truth.expire(10.0)  # the third never came: dropped at its deadline; the stored two stay
+    assert index.match(blocks)[KEY] == 2 and truth.describe()["expired_pending_blocks"] == 1
+    # sent again before the deadline: the later deadline holds
+    truth.expect(blocks, now=11.0)
+    truth.expect(blocks, now=15.0)
+    truth.expire(21.0)
+    assert index.match(blocks)[KEY] == 3
+    truth.expire(25.0)
+    assert index.match(blocks)[KEY] == 2
+    # a reset of every source (the worker was flushed) forgets what was sent too
+    truth.expect(blocks, now=30.0)
+    truth.reset()
+    assert index.size(KEY) == 0 and truth.describe()["pending_blocks"] == 0

@@ -16,9 +16,10 @@ restart). All pure: the sockets are in ``kv_subscriber.py``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from omniinfer.kv_events import GPU_MEDIA, Batch, Cleared, Removed, Stored
@@ -173,13 +174,20 @@ class WorkerCacheTruth:
     """One worker's cache as router blocks: the union of its publishers' pages → its index."""
 
     def __init__(self, key: str, index: PrefixIndex, block_size: int, sources: int = 1,
-                 max_pages: int = 1 << 22) -> None:
+                 max_pages: int = 1 << 22, pending_s: float = 30.0) -> None:
         self.key = key
         self.max_pages = max_pages  # per publisher; beyond it that publisher's view is reset
         self.overflows = 0
         self.index = index
         self.chains = [PageChain(block_size) for _ in range(max(1, sources))]
         self._counts: dict[int, int] = {}
+        # Sent but not yet reported: a prompt's blocks count as held from the moment the router
+        # sends it until the worker's events store them (its prefill is done) or ``pending_s``
+        # passes, so the requests routed meanwhile see the prefix where it is being computed.
+        self.pending_s = pending_s
+        self._pending: dict[int, float] = {}  # router block -> deadline
+        self._deadlines: collections.deque[tuple[float, list[int]]] = collections.deque()
+        self.expired = 0
         self.batches = 0
         self.cleared = 0
         self.resets = 0
@@ -201,16 +209,46 @@ class WorkerCacheTruth:
             self.reset(source)
 
     def reset(self, source: int | None = None) -> None:
-        """Forget what ``source`` (or every source) said: after a gap, a restart, a re-admission."""
+        """Forget what ``source`` (or every source) said: after a gap, a restart, a re-admission
+        (every source: what was sent and not yet reported is forgotten too)."""
         self.resets += 1
+        if source is None:
+            self.expire(float("inf"))
         for i, chain in enumerate(self.chains):
             if source is None or i == source:
                 self._release(chain.clear())
+
+    def expect(self, hashes: Sequence[int], now: float) -> None:
+        """The router sent a prompt of these blocks here (see ``_pending``)."""
+        self.expire(now)
+        if not hashes:
+            return
+        deadline = now + self.pending_s
+        new = [h for h in hashes if h not in self._counts]
+        if new:
+            self._pending.update(dict.fromkeys(new, deadline))
+            self._deadlines.append((deadline, new))
+        self.index.insert(self.key, hashes)  # also refreshes the index's LRU order
+
+    def expire(self, now: float) -> None:
+        """Drop the sent blocks the worker has not reported by their deadline."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, hashes = self._deadlines.popleft()
+            late = [h for h in hashes if self._pending.get(h) == deadline]  # not sent again
+            for h in late:
+                del self._pending[h]
+            stale = [h for h in late if h not in self._counts]
+            if stale:
+                self.expired += len(stale)
+                self.index.remove(self.key, stale)
 
     def _hold(self, hashes: Iterable[int]) -> None:
         hashes = list(hashes)
         for h in hashes:
             self._counts[h] = self._counts.get(h, 0) + 1
+        if self._pending:
+            for h in hashes:
+                self._pending.pop(h, None)  # reported: the events own it from now on
         if hashes:
             self.index.insert(self.key, hashes)  # also refreshes the index's LRU order
 
@@ -233,6 +271,7 @@ class WorkerCacheTruth:
         stats = [dataclasses.asdict(c.stats) for c in self.chains]
         total = {k: sum(s[k] for s in stats) for k in stats[0]}
         return {"router_blocks": self.blocks(), "worker_pages": sum(len(c) for c in self.chains),
+                "pending_blocks": len(self._pending), "expired_pending_blocks": self.expired,
                 "batches": self.batches, "cleared": self.cleared, "resets": self.resets,
                 "overflows": self.overflows, **total}
 

@@ -200,6 +200,8 @@ class Router:
         worker.total_requests += 1
         if not self.cache_truth.follows(worker):  # else the worker's KV events fill its index
             self.indexes[worker.role].insert(worker.url, route.block_hashes)
+        else:  # and what was just sent counts until those events report its prefill
+            self.cache_truth.expect(worker, route.block_hashes)
         policy = self.policies[worker.role]
         policy.context.observe_request_tokens(tokens)
         policy.on_dispatch(route, worker)

@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import zmq
@@ -376,6 +376,13 @@ class CacheTruth:
         sub = self._subs.pop(worker.url, None)
         if sub is not None:
             sub.cancel()
+
+    def expect(self, worker: Worker, hashes: Sequence[int]) -> None:
+        """A prompt was sent to ``worker``: its blocks count as held there until the worker's
+        events report them or a deadline passes (events come only once the prefill is done)."""
+        sub = self._subs.get(worker.url)
+        if sub is not None:
+            sub.truth.expect(hashes, time.monotonic())
 
     def forget(self, worker: Worker) -> None:
         """The worker's cache may be gone (re-admitted, flushed): drop what its events said."""
