@@ -100,11 +100,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _pid(proc: Any) -> int:
-    popen = getattr(proc, "popen", None) or getattr(proc, "process", None)
-    return int(popen.pid)
-
-
 def router_run(args: argparse.Namespace) -> dict[str, Any]:
     from cluster import (
         EmulatedCluster,
@@ -137,7 +132,8 @@ def router_run(args: argparse.Namespace) -> dict[str, Any]:
                     command = [command[0], "-m", "cProfile", "-o", str(prof), *command[1:]]
                 router = start_router(command, port, logs / f"router-{truth}.log")
                 try:
-                    pid = _pid(router)
+                    assert router.process is not None
+                    pid = router.process.pid
                     before = cpu_seconds(pid)
                     results, wall = asyncio.run(run_trace_replay(
                         f"http://127.0.0.1:{port}", requests, args.time_scale, progress=False,
