@@ -29,7 +29,7 @@ from omniinfer.attn.ga import GAConfig
 from omniinfer.attn.objective import Genome, from_bits, from_layers, to_bits
 from omniinfer.attn.pattern import from_layers as pattern_from_layers
 from omniinfer.attn.pattern import kv_saved_fraction
-from omniinfer.attn.search import GA, SearchSettings, run_search, summary
+from omniinfer.attn.search import GA, MetricsCache, SearchSettings, run_search, summary
 
 HERE = Path(__file__).resolve().parent
 SEARCH_TEXTS = "paradise_lost,tinyshakespeare,lcet10,sqlite3_h"  # verse, drama, report, code
@@ -71,27 +71,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class Scores:
-    """Pattern scores on one set of windows, computed once each and kept in a JSON file."""
+def lazy_scores(path: Path, build: Any) -> MetricsCache:
+    """Scores of patterns on one set of windows, each computed once and kept in ``path``; the
+    evaluator (its reference pass included) is built only when a pattern is not cached yet."""
+    built: list[evaluator.TextSetEvaluator] = []
 
-    def __init__(self, path: Path, build: Any) -> None:
-        self.path, self.build = path, build
-        self.records: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
-        self._evaluator: evaluator.TextSetEvaluator | None = None
+    def evaluate(genome: Genome) -> dict[str, Any]:
+        if not built:
+            built.append(build())
+        record = built[0].evaluate(genome)
+        record["kv_saved_fraction"] = built[0].kv_saved_fraction(genome, built[0].context)
+        return record
 
-    def get(self, genome: Genome) -> dict[str, Any]:
-        bits = to_bits(genome)
-        if bits not in self.records:
-            if self._evaluator is None:
-                self._evaluator = self.build()
-            record = self._evaluator.evaluate(genome)
-            record["kv_saved_fraction"] = self._evaluator.kv_saved_fraction(
-                genome, self._evaluator.context
-            )
-            self.records[bits] = record
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(self.records, indent=0))
-        return self.records[bits]
+    return MetricsCache(evaluate, path)
 
 
 def names(spec: str) -> list[str]:
@@ -139,11 +131,11 @@ def main(argv: list[str] | None = None) -> int:
             model, windows_of(tokenizer, texts, which, context, count), args.sink, args.recent
         )
 
-    search = Scores(run / "search.json",
+    search = lazy_scores(run / "search.json",
                     evaluator_for(search_texts, "search", args.context, args.search_windows))
-    unseen = Scores(run / "unseen.json",
+    unseen = lazy_scores(run / "unseen.json",
                     evaluator_for(unseen_texts, "all", args.context, args.unseen_windows))
-    heldout = Scores(run / "heldout.json",
+    heldout = lazy_scores(run / "heldout.json",
                      evaluator_for(search_texts, "heldout", args.context, args.heldout_windows))
 
     # 1. The GA at a fixed size, seeded with the first-k pattern of that size.
@@ -178,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     long: dict[str, dict[str, Any]] = {}
     for spec in (s for s in args.long.split(",") if s):
         context, count = (int(x) for x in spec.split(":"))
-        scores = Scores(run / f"unseen-{context}.json",
+        scores = lazy_scores(run / f"unseen-{context}.json",
                         evaluator_for(unseen_texts, "all", context, count))
         long[str(context)] = {label: scores.get(candidates[label])
                               for label in args.long_patterns.split(",") if label in candidates}
