@@ -15,6 +15,7 @@ held-out halves of the search texts, and at longer contexts (4K, 8K). Prints tab
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -23,7 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from omniinfer.attn import evaluator, text
+from omniinfer.attn import evaluator, surrogate, text
 from omniinfer.attn.baselines import first_k
 from omniinfer.attn.ga import GAConfig
 from omniinfer.attn.objective import Genome, from_bits, from_layers, to_bits
@@ -49,12 +50,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="compressed layers (16 of 30 saves 40 %% of KV at 2K with 128 + 384)")
     p.add_argument("--max-drop", type=float, default=0.01, help="the bound reported against")
     p.add_argument("--search-windows", type=int, default=2, help="per search text")
-    p.add_argument("--unseen-windows", type=int, default=6, help="per unseen text")
+    p.add_argument("--unseen-windows", type=int, default=5, help="per unseen text")
     p.add_argument("--heldout-windows", type=int, default=2,
                    help="per search text, from its held-out half")
     p.add_argument("--budget", type=int, default=48, help="distinct patterns the GA evaluates")
     p.add_argument("--population", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--refine", type=int, default=12,
+                   help="patterns proposed by an additive model of the GA's scores, after it")
+    p.add_argument("--ridge", type=float, default=0.3, help="the additive model's ridge term")
     p.add_argument("--first-k", default="12,13,14,15,16,17,18",
                    help="first-k sizes reported beside the GA's pattern")
     p.add_argument("--previous", type=Path, default=None,
@@ -84,6 +88,25 @@ def lazy_scores(path: Path, build: Any) -> MetricsCache:
         return record
 
     return MetricsCache(evaluate, path)
+
+
+def refine(search: MetricsCache, scored: list[Genome], args: argparse.Namespace) -> list[dict]:
+    """``--refine`` rounds: fit the additive model on the GA's patterns and the proposals so
+    far, score its best unscored pattern, repeat. Fitting only on those (not on whatever else
+    the cache holds) makes a rerun propose the same patterns, so it resumes from the cache."""
+    proposals: list[dict] = []
+    pool = [g for g in dict.fromkeys(scored) if sum(g) == args.layers]
+    for step in tqdm(range(args.refine), desc="surrogate proposals", unit="eval"):
+        drops = [(g, {n: m["drop"] for n, m in search.get(g)["texts"].items()}) for g in pool]
+        model = surrogate.fit(drops, args.ridge)
+        genome = surrogate.propose(model, args.layers, avoid=pool, seed=args.seed + step)
+        if genome is None:
+            break
+        record = search.get(genome)
+        proposals.append({"pattern": to_bits(genome), "predicted_drop": model.worst(genome),
+                          "drop": record["drop"], "worst_text": record["worst_text"]})
+        pool.append(genome)
+    return proposals
 
 
 def names(spec: str) -> list[str]:
@@ -131,12 +154,16 @@ def main(argv: list[str] | None = None) -> int:
             model, windows_of(tokenizer, texts, which, context, count), args.sink, args.recent
         )
 
-    search = lazy_scores(run / "search.json",
-                    evaluator_for(search_texts, "search", args.context, args.search_windows))
-    unseen = lazy_scores(run / "unseen.json",
-                    evaluator_for(unseen_texts, "all", args.context, args.unseen_windows))
-    heldout = lazy_scores(run / "heldout.json",
-                     evaluator_for(search_texts, "heldout", args.context, args.heldout_windows))
+    def scores(texts: list[str], which: str, context: int, count: int) -> MetricsCache:
+        # Everything a score depends on names its cache file, so no run reads another's scores.
+        texts_id = hashlib.sha1(",".join(texts).encode()).hexdigest()[:6]
+        path = run / (f"{which}-{texts_id}-{count}x{context}-"
+                      f"sink{args.sink}-recent{args.recent}.json")
+        return lazy_scores(path, evaluator_for(texts, which, context, count))
+
+    search = scores(search_texts, "search", args.context, args.search_windows)
+    unseen = scores(unseen_texts, "all", args.context, args.unseen_windows)
+    heldout = scores(search_texts, "heldout", args.context, args.heldout_windows)
 
     # 1. The GA at a fixed size, seeded with the first-k pattern of that size.
     began = time.perf_counter()
@@ -147,8 +174,13 @@ def main(argv: list[str] | None = None) -> int:
                     layers=args.layers, seeds=(seed_bits,)),
     )
     ga = summary(run_search(lambda g: search.get(g), num_layers, settings, run))[GA]
+    # 1b. Proposals of an additive model fitted on every score so far, each one measured.
+    proposals = refine(search, [from_bits(t["pattern"]) for t in ga["trials"]], args)
     search_seconds = time.perf_counter() - began
-    best = min(ga["trials"], key=lambda t: (t["drop"], t["order"]))
+    tried = [(t["drop"], t["order"], t["pattern"]) for t in ga["trials"]]
+    tried += [(p["drop"], len(tried) + i, p["pattern"]) for i, p in enumerate(proposals)]
+    best = {"pattern": min(tried)[2], "drop": min(tried)[0],
+            "from": "surrogate" if min(tried)[2] in {p["pattern"] for p in proposals} else "ga"}
     ga_genome = from_bits(best["pattern"])
 
     # 2. Everything the report compares, on the search texts, unseen texts and held-out halves.
@@ -170,9 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     long: dict[str, dict[str, Any]] = {}
     for spec in (s for s in args.long.split(",") if s):
         context, count = (int(x) for x in spec.split(":"))
-        scores = lazy_scores(run / f"unseen-{context}.json",
-                        evaluator_for(unseen_texts, "all", context, count))
-        long[str(context)] = {label: scores.get(candidates[label])
+        at_context = scores(unseen_texts, "all", context, count)
+        long[str(context)] = {label: at_context.get(candidates[label])
                               for label in args.long_patterns.split(",") if label in candidates}
 
     print_tables(args, candidates, report, long, search_texts, unseen_texts)
@@ -183,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         "search_seconds": search_seconds,
         "patterns": {label: [i for i, b in enumerate(g) if b] for label, g in candidates.items()},
         "ga": {"evaluations": ga["evaluations"], "stopped_by": ga["stopped_by"],
-               "best": best["pattern"], "trials": ga["trials"]},
+               "best": best["pattern"], "best_from": best["from"], "trials": ga["trials"],
+               "proposals": proposals},
         **report,
         "long_context": long,
         "command": "python " + " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
@@ -197,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_tables(args: argparse.Namespace, candidates: dict[str, Genome], report: dict,
                  long: dict, search_texts: list[str], unseen_texts: list[str]) -> None:
-    for title, key, texts in (("search halves (what the GA saw)", "search", search_texts),
+    for title, key, texts in (("search halves (what the search saw)", "search", search_texts),
                               ("unseen texts", "unseen", unseen_texts),
                               ("held-out halves of the search texts", "heldout", search_texts)):
         print(f"\n{title}: relative perplexity increase, % ± standard error")
@@ -230,7 +262,7 @@ def plot(args: argparse.Namespace, candidates: dict[str, Genome], report: dict,
         ax.errorbar([ga["kv_saved_fraction"] * 100], [ga["texts"][name]["drop"] * 100],
                     yerr=[ga["texts"][name]["drop_stderr"] * 100], marker="*", ms=14,
                     color=color, mec="black", capsize=3, ls="none",
-                    label=f"GA ({sum(candidates['ga'])} layers) on {name}")
+                    label=f"search ({sum(candidates['ga'])} layers) on {name}")
     ax.axhline(args.max_drop * 100, color="grey", ls="--", lw=1, label="bound")
     ax.set_xlabel(f"KV saved at {args.context} tokens (%)")
     ax.set_ylabel("relative perplexity increase (%)")
@@ -247,7 +279,9 @@ def write_pattern(args: argparse.Namespace, model: Any, genome: Genome, results:
                   unseen_texts: list[str]) -> None:
     unseen = results["unseen"]["ga"]
     provenance = {
-        "method": "genetic algorithm (omniinfer.attn.ga), fixed size, seeded with first-k",
+        "method": "genetic algorithm (omniinfer.attn.ga), fixed size, seeded with first-k, "
+                  f"then {args.refine} proposals of an additive model (omniinfer.attn.surrogate)"
+                  f"; the best came from the {results['ga']['best_from']}",
         "objective": "smallest worst-text relative perplexity increase at "
                      f"{args.layers} compressed layers",
         "search_data": f"{args.search_texts}: search halves, {args.search_windows} x "
@@ -260,7 +294,7 @@ def write_pattern(args: argparse.Namespace, model: Any, genome: Genome, results:
         "context": args.context,
         "seed": args.seed,
         "budget": args.budget,
-        "evaluations": results["ga"]["evaluations"],
+        "evaluations": results["ga"]["evaluations"] + len(results["ga"]["proposals"]),
         "population": args.population,
         "benchmark": "benchmark/attn/generalise.py",
     }
