@@ -284,6 +284,41 @@ def test_starved_instance_gets_work_although_its_prediction_says_busy() -> None:
     assert q.pump(0.2, [wrong]) == [] and "b" in q.items
 
 
+def test_redirect_to_a_starved_instance_waits_as_long_as_the_recompute_it_costs() -> None:
+    """Ski rental: ``a``'s prefix is cached on the busy instance; the starved one would
+    recompute 0.3 s of it, so ``a`` waits 0.3 s for its own instance before moving. ``b`` has no
+    cached prefix anywhere (no extra compute) and moves at once. ``next_wakeup`` is the moment
+    ``a``'s wait runs out, so the move needs no other event."""
+    own, starved = FakeInstance("own", backlog=5.0), FakeInstance("starved", backlog=5.0)
+    extra = {"a": 0.3, "b": 0.0}
+
+    def cost(w: Waiting, inst: FakeInstance, now: float) -> float:
+        return 0.0 if inst is own else 1.0
+
+    q = DeferredQueue(get_order("fifo"), cost, starved=lambda inst, now: inst is starved,
+                      redirect_wait=lambda w, inst: extra[w.key] if inst is starved else 0.0)
+    q.push(item("a", 0.05, 0.0))
+    q.push(item("b", 0.05, 0.0))
+    out = q.pump(0.1, [own, starved])
+    assert [(r.item.key, r.instance.key) for r in out] == [("b", "starved")]
+    assert q.next_wakeup(0.1, [own, starved]) == pytest.approx(0.3)
+    assert q.pump(0.2, [own, starved]) == [] and "a" in q.items
+    out = q.pump(0.3, [own, starved])
+    assert [(r.item.key, r.instance.key, r.reason) for r in out] == [("a", "starved", "starved")]
+
+
+def test_a_waiting_request_still_goes_to_its_own_instance_the_moment_it_opens() -> None:
+    own, starved = FakeInstance("own", backlog=5.0), FakeInstance("starved", backlog=5.0)
+    q = DeferredQueue(get_order("fifo"), lambda w, inst, now: 0.0 if inst is own else 1.0,
+                      starved=lambda inst, now: inst is starved,
+                      redirect_wait=lambda w, inst: 10.0)
+    q.push(item("a", 0.05, 0.0))
+    assert q.pump(0.1, [own, starved]) == []
+    own.backlog = 0.0  # its batch is done: the prediction opens it
+    out = q.pump(0.2, [own, starved])
+    assert [(r.item.key, r.instance.key, r.reason) for r in out] == [("a", "own", "open")]
+
+
 def test_starved_instance_takes_requests_whose_best_instance_is_busy_only() -> None:
     """A request whose best instance is open goes there; one whose best is busy goes to the
     starved instance rather than wait (the best of the starved ones)."""

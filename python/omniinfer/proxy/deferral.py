@@ -15,6 +15,10 @@ without work while requests wait here. An optional ``starved`` test says an inst
 work whatever its prediction (e.g. it reports nothing waiting, or less than two batches were sent
 to it and are not back); such an instance is open, and a request whose best instance is busy goes
 to the best of the starved instances instead of waiting. These releases count as ``starved``.
+An optional ``redirect_wait`` makes that move pay for itself: a request goes to a starved
+instance only once it has waited as long as the extra compute it would cost there (its cached
+prefix lives elsewhere) -- the ski-rental rule: while its own instance may open any moment,
+waiting is cheap; past that point, recomputing is. Without a cache difference the wait is zero.
 
 Nothing here does I/O or reads a clock; the caller passes ``now`` and acts on what ``pump``
 returns.
@@ -198,12 +202,15 @@ class DeferredQueue:
     def __init__(self, order: Order, estimate: Estimate,
                  options: DeferralOptions = DeferralOptions(),
                  rng: random.Random | None = None, gate: Gate | None = None,
-                 choose_among_open: bool = False, starved: Gate | None = None) -> None:
+                 choose_among_open: bool = False, starved: Gate | None = None,
+                 redirect_wait: Callable[[Waiting, Instance], float] | None = None) -> None:
         self.order = order
         self.estimate = estimate
         self.options = options
         self.rng = rng or random.Random()
         self.starved = starved
+        self.redirect_wait = redirect_wait
+        self._redirect_at = math.inf  # the earliest held redirect becomes due (next_wakeup)
         self.gate: Gate = gate or self.is_open
         self.choose_among_open = choose_among_open
         self.items: dict[str, Waiting] = {}
@@ -258,6 +265,7 @@ class DeferredQueue:
         ``on_release`` runs right after each decision (the caller books the request on the
         instance there, so the next decision sees the new backlog).
         """
+        self._redirect_at = math.inf
         if not self.items or not instances:
             return []
         hold = self.max_hold(instances)
@@ -284,6 +292,11 @@ class DeferredQueue:
             if reason is None:  # its best instance is busy: an instance short of work takes it
                 starved = [i for i in instances if is_starved[id(i)]]
                 found = self.best(item, starved, now) if starved else None
+                if found is not None and self.redirect_wait is not None:
+                    ready = item.arrival + self.redirect_wait(item, found[0])
+                    if now < ready - 1e-9:  # not yet worth its recompute: wait for its own
+                        self._redirect_at = min(self._redirect_at, ready)
+                        found = None
                 reason = None if found is None else "starved"
             if found is not None and reason is not None:
                 out.append(self._release(item, found[0], reason, found[1], on_release))
@@ -319,7 +332,7 @@ class DeferredQueue:
         if not self.items or not instances:
             return None
         hold = self.max_hold(instances)
-        times = [min(w.arrival for w in self.items.values()) + hold]
+        times = [min(w.arrival for w in self.items.values()) + hold, self._redirect_at]
         for inst in instances:
             wait = inst.queue_seconds(now) - self.lead(inst)
             times.append(now + max(0.0, wait))

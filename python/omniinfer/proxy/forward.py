@@ -225,10 +225,14 @@ async def _regular(router: Router, request: web.Request, ex: Exchange) -> web.St
         ok = False
         try:
             ex.life.enter(Phase.PREFILL_SCHEDULED)
+            posted = time.perf_counter()
             resp = await post(router, worker, path, payload, ex.stream)
             ex.life.enter(Phase.PREFILL_RUNNING)
             if ex.stream:
                 first = await first_chunk(router, resp, worker)
+                # the first event is the end of this request's prefill: the policy's clock of
+                # that instance closes it now, not when the whole answer is back
+                policy.on_prefill_done(ex.route, worker, time.perf_counter() - posted)
                 out = await pipe(router, request, ex, resp, first, worker)
                 note_prediction(router, ex, worker, reported_from_stream(first, ex.tail))
             else:

@@ -53,6 +53,7 @@ class Held:
     request: RouteRequest
     allowed: dict[str, Worker]
     future: asyncio.Future[Decision]
+    min_uncached: int = 0  # tokens to prefill on its best-cached allowed worker
 
 
 @dataclasses.dataclass(slots=True)
@@ -148,7 +149,8 @@ class DeferringPolicy(Policy):
             self.workers[w.url] = w
             self.clock(w)
         work = min(self.work_seconds(request, w) for w in workers)
-        held = Held(request, {w.url: w for w in workers}, future)  # type: ignore[arg-type]
+        held = Held(request, {w.url: w for w in workers}, future,  # type: ignore[arg-type]
+                    min(request.uncached_tokens(w) for w in workers))
         arrival = self.now() if future is not None else 0.0
         return Waiting(request.request_id, request.prompt_tokens, work, arrival, held)
 
