@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -46,13 +47,20 @@ def collapse(rows: list[dict[str, Any]]) -> dict[tuple[str, str, float, str], di
 
 def paired(rows: list[dict[str, Any]], cluster: str, workload: str, rate: float, target: str,
            peer: str, metric: str = "goodput_qpm") -> list[float]:
-    """``target`` / ``peer`` per repeat at one point."""
+    """``target`` / ``peer`` per repeat at one point; infinite where only the peer has none
+    (a peer with no request within the SLO is beaten by any positive goodput), skipped where
+    neither has any."""
     by_repeat: dict[int, dict[str, float]] = {}
     for r in _ok(rows):
         if (r["cluster"], r["workload"], r["rate"]) == (cluster, workload, rate):
             by_repeat.setdefault(r["repeat"], {})[r["target"]] = r[metric]
-    return [pair[target] / pair[peer] for _, pair in sorted(by_repeat.items())
-            if pair.get(target) is not None and pair.get(peer)]
+    out = []
+    for _, pair in sorted(by_repeat.items()):
+        ours, theirs = pair.get(target), pair.get(peer)
+        if ours is None or theirs is None or (not ours and not theirs):
+            continue
+        out.append(ours / theirs if theirs else math.inf)
+    return out
 
 
 def _ratio(values: list[float]) -> float | None:
@@ -106,7 +114,9 @@ def criteria(rows: list[dict[str, Any]], cluster: str, workload: str, ours: str 
 
 
 def _fmt(x: float | None, digits: int = 0) -> str:
-    return "n/a" if x is None else f"{x:,.{digits}f}"
+    if x is None:
+        return "n/a"
+    return "∞" if math.isinf(x) else f"{x:,.{digits}f}"
 
 
 def criteria_text(crit: dict[str, Any]) -> str:
@@ -123,7 +133,7 @@ def criteria_text(crit: dict[str, Any]) -> str:
             lines.append(f"| {rate} | (not swept) | | | |")
             continue
         per = {name: "" if len(p[name]) < 2 else
-               " (" + ", ".join(f"{x:.2f}" for x in p[name]) + ")"
+               " (" + ", ".join(_fmt(x, 2) for x in p[name]) + ")"
                for name in ("vs_rr_per_repeat", "vs_best_per_repeat")}
         lines.append(f"| {rate} | goodput / sglang round_robin | >= 1.5x | {_fmt(p['vs_rr'], 2)}x "
                      f"({_fmt(p['ours_goodput'])} vs {_fmt(p['rr_goodput'])} QPM)"
