@@ -121,3 +121,13 @@ def test_plan_and_time_estimate() -> None:
     overhead = prefix_eval.RUN_OVERHEAD_S
     groups, chats = (2 + 1) * 8 + overhead, (2 + 3) * 8 + overhead
     assert prefix_eval.estimate_s(args) == pytest.approx(2 * 2 * (2 * groups + chats))
+
+
+def test_a_peer_with_no_goodput_is_beaten_without_bound_and_two_zeros_are_no_pair() -> None:
+    rows = [_row("omni:oas@kv-events", 6, 0, 450, 0.99, 0.2), _row("sglang:round_robin", 6, 0, 0, 0, 5),
+            _row("omni:oas@kv-events", 6, 1, 0, 0, 9), _row("sglang:round_robin", 6, 1, 0, 0, 9),
+            _row("omni:oas@kv-events", 6, 2, 300, 0.9, 0.5), _row("sglang:round_robin", 6, 2, 150, 0.5, 3)]
+    ratios = prefix_report.paired(rows, "8R", "prefix-groups", 6, "omni:oas@kv-events",
+                                  "sglang:round_robin")
+    assert ratios == [float("inf"), 2.0]
+    assert prefix_report._fmt(ratios[0], 2) == "∞" and prefix_report._fmt(None) == "n/a"
