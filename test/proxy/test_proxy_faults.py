@@ -200,3 +200,28 @@ def test_fuzz_huge_body_and_router_still_alive(fuzz_router: RouterProcess) -> No
     assert status == 413 and "error" in answer
     assert get(fuzz_router.base_url + "/health")[0] == 200
     assert post(fuzz_router.base_url + "/generate", {"text": "still here"})[0] == 200
+
+
+def test_oas_closes_a_streamed_regular_prefill_at_its_first_event(tmp_path: Path) -> None:
+    """Regular mode has no prefill event, so ``oas`` reads the first streamed event as the end
+    of the prefill: while the answer is still streaming, the instance's clock holds nothing
+    sent (before, it held the request until the last token, and learned decode as prefill)."""
+    with EmulatorProcess(time_scale=1.0, log_path=tmp_path / "w.log") as w, \
+            RouterProcess(["--worker-urls", w.url, "--policy", "oas"], tmp_path / "r.log") as r:
+        async def run() -> tuple[dict, int]:
+            body = {"text": "hello " * 50, "stream": True,
+                    "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}
+            async with aiohttp.ClientSession() as session:
+                async with session.post(r.base_url + "/generate", json=body) as resp:
+                    assert resp.status == 200
+                    await resp.content.readline()  # the first event
+                    async with session.get(r.base_url + "/server_info") as info:
+                        state = (await info.json())["omniproxy"]["policy_state"]["regular"]
+                    rest = await resp.read()
+            return state, rest.count(b"data:")
+
+        state, later_events = asyncio.run(run())
+        clocks = state["instances"]
+        assert list(clocks) == [normalize_url(w.url)]
+        assert clocks[normalize_url(w.url)]["sent"] == 0
+        assert later_events > 10  # the stream was still running when the clock was read
