@@ -177,10 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     # 1b. Proposals of an additive model fitted on every score so far, each one measured.
     proposals = refine(search, [from_bits(t["pattern"]) for t in ga["trials"]], args)
     search_seconds = time.perf_counter() - began
-    tried = [(t["drop"], t["order"], t["pattern"]) for t in ga["trials"]]
-    tried += [(p["drop"], len(tried) + i, p["pattern"]) for i, p in enumerate(proposals)]
-    best = {"pattern": min(tried)[2], "drop": min(tried)[0],
-            "from": "surrogate" if min(tried)[2] in {p["pattern"] for p in proposals} else "ga"}
+    tried = [(t["drop"], t["order"], t["pattern"], "ga") for t in ga["trials"]]
+    tried += [(p["drop"], len(tried) + i, p["pattern"], "surrogate")
+              for i, p in enumerate(proposals)]
+    drop, _, pattern, source = min(tried)
+    best = {"pattern": pattern, "drop": drop, "from": source}
     ga_genome = from_bits(best["pattern"])
 
     # 2. Everything the report compares, on the search texts, unseen texts and held-out halves.

@@ -93,18 +93,21 @@ class OASPolicy(DeferringPolicy):
         return DeferredQueue(order, self.estimate, options, self.rng, gate, starved=starved,
                              redirect_wait=redirect)
 
-    def _extra_compute(self, item: Waiting, request: RouteRequest, worker: Worker) -> float:
-        """Seconds this worker would spend on the prompt tokens it lacks but another allowed
-        worker has cached (by this worker's own batch time model)."""
-        uncached, floor = request.uncached_tokens(worker), item.payload.min_uncached
+    @staticmethod
+    def _extra_compute(item: Waiting, clock: InstanceClock, uncached: int) -> float:
+        """Seconds this instance would spend on the prompt tokens it lacks but another allowed
+        worker has cached (by this instance's own batch time model)."""
+        floor = item.payload.min_uncached
         if uncached <= floor:
             return 0.0
-        model = self.clock(worker).model
-        return max(0.0, model.predict([uncached]) - model.predict([max(1, floor)]))
+        return max(0.0, clock.model.predict([uncached]) - clock.model.predict([max(1, floor)]))
 
     def _redirect_wait(self, item: Waiting, inst: Instance) -> float:
         placed = self.placement(item, inst)
-        return 0.0 if placed is None else self._extra_compute(item, placed[0], placed[1])
+        if placed is None:
+            return 0.0
+        request, worker, clock = placed
+        return self._extra_compute(item, clock, request.uncached_tokens(worker))
 
     def _capacity(self, now: float) -> tuple[int, float]:
         """Prefill instances and the mean predicted seconds already sent to each."""
@@ -144,10 +147,11 @@ class OASPolicy(DeferringPolicy):
         if placed is None:
             return None
         request, worker, clock = placed
-        ttft = predicted_ttft(clock, request.uncached_tokens(worker), request.prompt_tokens, now,
-                              self.transfer, self.use_cache)
+        uncached = request.uncached_tokens(worker)
+        ttft = predicted_ttft(clock, uncached, request.prompt_tokens, now, self.transfer,
+                              self.use_cache)
         if self.use_cache and self.miss_weight:
-            ttft += self.miss_weight * self._extra_compute(item, request, worker)
+            ttft += self.miss_weight * self._extra_compute(item, clock, uncached)
         return ttft
 
 
