@@ -25,6 +25,7 @@ from omniinfer.proxy.admission import Admission
 from omniinfer.proxy.base import Policy, PolicyContext, RouteRequest, create_policy
 from omniinfer.proxy.circuit import CircuitBreaker
 from omniinfer.proxy.config import RouterConfig
+from omniinfer.proxy.http1 import Http1Pool
 from omniinfer.proxy.kv_subscriber import CacheTruth, parse_endpoint_overrides
 from omniinfer.proxy.metrics import AccessLog, ProxyMetrics
 from omniinfer.proxy.prefix import PrefixIndex, block_hashes
@@ -62,7 +63,6 @@ class Router:
         self.metrics = ProxyMetrics(self.pool)
         self.access_log = AccessLog(config.access_log, config.access_log_max_bytes,
                                     config.access_log_backups) if config.access_log else None
-        self.worker_headers = dict(JSON_HEADERS)
         self.session_headers = ({"Authorization": f"Bearer {config.api_key}"}
                                 if config.api_key else {})
         # router rids: a per-process prefix and a counter, all of one length (see new_rids)
@@ -73,7 +73,8 @@ class Router:
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
             max(1, config.tokenize_concurrency), thread_name_prefix="omniproxy-tokenize")
         self.tokenizer: Tokenizer = ApproxTokenizer()
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # control plane (health, aborts, ...)
+        self.http = Http1Pool(self.session_headers)  # the hot path: requests to the workers
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[Any]] = []
         self._loop_ref: asyncio.AbstractEventLoop | None = None
@@ -142,6 +143,7 @@ class Router:
         await self.cache_truth.close()
         if self.session is not None:
             await self.session.close()
+        await self.http.close()
         if self.access_log is not None:
             self.access_log.close()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -357,6 +359,7 @@ class Router:
         self.metrics.forget_worker(worker)
         self.cache_truth.detach(worker)
         self.indexes[worker.role].clear(worker.url)
+        self.http.drop(worker.url)
         self.policies[worker.role].on_workers_changed(self.pool.role(worker.role))
         return worker
 

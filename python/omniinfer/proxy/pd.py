@@ -14,12 +14,12 @@ import random
 import time
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
 from omniinfer.proxy.accuracy import reported_cached_tokens
 from omniinfer.proxy.base import Decision
+from omniinfer.proxy.http1 import Response
 from omniinfer.proxy.lifecycle import Phase
 from omniinfer.proxy.upstream import (
     UPSTREAM_PATHS,
@@ -208,7 +208,7 @@ def _check_prefill(p: Worker, prefill: PrefillTask, decode: asyncio.Future[Any])
 
 
 async def _decode_open(router: Router, ex: Exchange, d: Worker, path: str,
-                       payload: bytes) -> tuple[aiohttp.ClientResponse, bytes]:
+                       payload: bytes) -> tuple[Response, bytes]:
     """Decode response headers then its first chunk (stream) or whole body (non-stream)."""
     resp = await post(router, d, path, payload, ex.stream)
     ex.life.enter(Phase.DECODE_SCHEDULED)

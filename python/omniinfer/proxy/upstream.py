@@ -15,18 +15,18 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
 from omniinfer.proxy.base import RouteRequest
+from omniinfer.proxy.http1 import Response
 from omniinfer.proxy.lifecycle import Lifecycle
 from omniinfer.proxy.workers import Worker
 
 if TYPE_CHECKING:
     from omniinfer.proxy.core import Router
 
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+UPSTREAM_ERRORS = (asyncio.TimeoutError, OSError)
 UPSTREAM_PATHS = {"generate": "/generate", "completions": "/v1/completions",
                   "chat": "/v1/chat/completions"}
 
@@ -76,15 +76,6 @@ class Exchange:
         return orjson.dumps(body)
 
 
-def _timeout(router: Router, stream: bool) -> aiohttp.ClientTimeout:
-    c = router.config
-    # streams: the socket may stay silent until the first event, then per read (see pipe)
-    read = max(c.upstream_first_byte_timeout_secs, c.upstream_idle_timeout_secs) if stream \
-        else None
-    return aiohttp.ClientTimeout(total=c.request_timeout_secs,
-                                 sock_connect=c.upstream_connect_timeout_secs, sock_read=read)
-
-
 def _failure(worker: Worker, kind: str, exc: BaseException) -> UpstreamFailure:
     if isinstance(exc, asyncio.TimeoutError):
         kind = "timeout"
@@ -92,13 +83,13 @@ def _failure(worker: Worker, kind: str, exc: BaseException) -> UpstreamFailure:
 
 
 async def post(router: Router, worker: Worker, path: str, payload: bytes,
-               stream: bool) -> aiohttp.ClientResponse:
+               stream: bool) -> Response:
     """POST and return the response once headers are in; 5xx and transport errors raise."""
-    assert router.session is not None
+    c = router.config
     try:
-        resp = await router.session.post(worker.url + path, data=payload,
-                                         headers=router.worker_headers,
-                                         timeout=_timeout(router, stream))
+        resp = await router.http.post(worker.url, path, payload, stream=stream,
+                                      connect_timeout=c.upstream_connect_timeout_secs,
+                                      total_timeout=c.request_timeout_secs)
     except UPSTREAM_ERRORS as exc:
         raise _failure(worker, "connect", exc) from None
     if resp.status >= 500:
@@ -124,11 +115,10 @@ async def post(router: Router, worker: Worker, path: str, payload: bytes,
     return resp
 
 
-async def first_chunk(router: Router, resp: aiohttp.ClientResponse, worker: Worker) -> bytes:
+async def first_chunk(router: Router, resp: Response, worker: Worker) -> bytes:
     """A stream's first event, within ``--upstream-first-byte-timeout-secs``."""
     try:
-        async with asyncio.timeout(router.config.upstream_first_byte_timeout_secs):
-            chunk = await resp.content.readany()
+        chunk = await resp.readany(router.config.upstream_first_byte_timeout_secs)
     except UPSTREAM_ERRORS as exc:
         resp.close()
         raise _failure(worker, "read", exc) from None
@@ -138,7 +128,7 @@ async def first_chunk(router: Router, resp: aiohttp.ClientResponse, worker: Work
     return chunk
 
 
-async def read_all(resp: aiohttp.ClientResponse, worker: Worker) -> bytes:
+async def read_all(resp: Response, worker: Worker) -> bytes:
     try:
         return await resp.read()
     except UPSTREAM_ERRORS as exc:
@@ -181,12 +171,12 @@ def completion_tokens(obj: Any) -> int:
     return 0
 
 
-async def pipe(router: Router, request: web.Request, ex: Exchange, resp: aiohttp.ClientResponse,
+async def pipe(router: Router, request: web.Request, ex: Exchange, resp: Response,
                first: bytes, worker: Worker,
                on_upstream_error: Callable[[], Any] | None = None) -> web.StreamResponse:
     """Send the upstream stream to the client; a mid-stream failure ends it with one error."""
     out = web.StreamResponse(status=200, headers={
-        "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+        "Content-Type": resp.headers.get("content-type", "text/event-stream"),
         "Cache-Control": "no-cache", **ex.headers})
     idle = router.config.upstream_idle_timeout_secs
     try:
@@ -198,8 +188,7 @@ async def pipe(router: Router, request: web.Request, ex: Exchange, resp: aiohttp
         await out.write(first)
         while True:
             try:
-                async with asyncio.timeout(idle):
-                    chunk = await resp.content.readany()
+                chunk = await resp.readany(idle)
             except UPSTREAM_ERRORS as exc:
                 kind = "idle_timeout" if isinstance(exc, asyncio.TimeoutError) else "mid_stream"
                 router.record_failure(worker, kind)
