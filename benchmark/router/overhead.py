@@ -13,6 +13,10 @@ threads): unlike wall latency it barely moves when other jobs share the machine.
       --targets direct,omniproxy --output /tmp/oas.json
   python benchmark/router/overhead.py --rates 1000 --api-key sk-x --policy oas --kv-events \
       --targets direct,omniproxy --output /tmp/oas_kv.json
+  python benchmark/router/overhead.py --rates 1000 --api-key sk-x --policy oas --repeats 5
+--repeats N runs every target N times in turn (a fresh router each round) and reports medians;
+the added latency is the median over rounds of router minus the same round's direct run, so a
+slow patch of the shared machine shifts both sides of one difference.
 With --api-key the workers require the key (as SGLang's server does), the routers are given it
 (OmniProxy then also requires it of clients) and every client presents it. With --kv-events each
 echo worker publishes KV events as SGLang does (a warm cache under churn: every prompt stores its
@@ -28,6 +32,7 @@ import collections
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +43,7 @@ from typing import Any
 
 import aiohttp
 import psutil
+from tqdm import tqdm
 
 from omniinfer.launch import free_port
 
@@ -314,6 +320,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rates", default="200,1000", help="open-loop rates (req/s), comma-separated")
     p.add_argument("--duration", type=float, default=5.0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of every target in turn; medians, and the added latency is the "
+                        "median of each round's router minus that round's direct")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--policy", default="round_robin")
@@ -344,6 +353,7 @@ def main() -> int:
     procs: list[subprocess.Popen[bytes]] = []
     rates = [float(r) for r in args.rates.split(",")]
     results: dict[str, Any] = {"rates": rates, "duration_s": args.duration,
+                               "repeats": args.repeats,
                                "concurrency": args.concurrency, "workers": args.workers,
                                "policy": args.policy, "cpus": os.cpu_count(),
                                "api_key": bool(args.api_key), "kv_events": args.kv_events,
@@ -373,44 +383,59 @@ def main() -> int:
         targets = {k: v for k, v in targets.items() if k in wanted}
         ports = {"direct": None, "omniproxy": ours, "sglang-router": rust}
         curves: dict[str, list[float]] = {}
-        for name, command in targets.items():
-            url = urls[0] if command is None else f"http://127.0.0.1:{ports[name]}"
-            proc = None
-            if command is not None:
-                proc = start(command, url + "/health", logs / f"{name}.log")
-                if args.kv_events and name == "omniproxy":
-                    wait_kv_subscribed(url)
-            pid = (proc or procs[0]).pid  # direct: the echo worker's own CPU (the floor)
-            try:
-                for rate in rates:
-                    lat, errors, cpu = run_loop(open_loop(url, rate, args.duration,
-                                                          args.prompt_tokens, pid))
-                    sent = int(rate * args.duration)
-                    curves[f"{name} @ {rate:.0f}/s"] = lat
-                    results["runs"][f"{name}@{rate:.0f}"] = {
-                        "target": name, "rate": rate, "p50_ms": pct(lat, 0.5) * 1e3,
-                        "p99_ms": pct(lat, 0.99) * 1e3, "answered": len(lat), "errors": errors,
-                        "cpu_ms_per_request": cpu / max(1, sent) * 1e3}
-                if not args.no_throughput:
-                    before = cpu_seconds(pid)
-                    tput, done = run_loop(closed_loop(url, args.concurrency, args.duration,
-                                                      args.prompt_tokens))
-                    results.setdefault("max_throughput_rps", {})[name] = tput
-                    results.setdefault("throughput_cpu_ms_per_request", {})[name] = (
-                        (cpu_seconds(pid) - before) / max(1, done) * 1e3)
-            finally:
-                if proc is not None:
-                    stop(proc)
+        samples: dict[str, list[dict[str, float]]] = {}
+        for rep in tqdm(range(args.repeats), desc="rounds", disable=args.repeats == 1):
+            for name, command in targets.items():
+                url = urls[0] if command is None else f"http://127.0.0.1:{ports[name]}"
+                proc = None
+                if command is not None:
+                    proc = start(command, url + "/health", logs / f"{name}.log")
+                    if args.kv_events and name == "omniproxy":
+                        wait_kv_subscribed(url)
+                pid = (proc or procs[0]).pid  # direct: the echo worker's own CPU (the floor)
+                try:
+                    for rate in rates:
+                        lat, errors, cpu = run_loop(open_loop(url, rate, args.duration,
+                                                              args.prompt_tokens, pid))
+                        sent = int(rate * args.duration)
+                        curves.setdefault(f"{name} @ {rate:.0f}/s", []).extend(lat)
+                        samples.setdefault(f"{name}@{rate:.0f}", []).append({
+                            "p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3,
+                            "answered": len(lat), "errors": errors,
+                            "cpu_ms_per_request": cpu / max(1, sent) * 1e3})
+                    if rep == 0 and not args.no_throughput:
+                        before = cpu_seconds(pid)
+                        tput, done = run_loop(closed_loop(url, args.concurrency, args.duration,
+                                                          args.prompt_tokens))
+                        results.setdefault("max_throughput_rps", {})[name] = tput
+                        results.setdefault("throughput_cpu_ms_per_request", {})[name] = (
+                            (cpu_seconds(pid) - before) / max(1, done) * 1e3)
+                finally:
+                    if proc is not None:
+                        stop(proc)
+        for key, rounds in samples.items():
+            name, rate_text = key.split("@")
+            results["runs"][key] = {
+                "target": name, "rate": float(rate_text),
+                **{k: statistics.median(r[k] for r in rounds)
+                   for k in ("p50_ms", "p99_ms", "cpu_ms_per_request")},
+                "answered": sum(r["answered"] for r in rounds),
+                "errors": sum(r["errors"] for r in rounds),
+                "p99_ms_rounds": [round(r["p99_ms"], 4) for r in rounds]}
         for rate in rates:
-            base = results["runs"].get(f"direct@{rate:.0f}")
+            base = samples.get(f"direct@{rate:.0f}")
             for name in ("omniproxy", "sglang-router"):
-                run = results["runs"].get(f"{name}@{rate:.0f}")
-                if base is None or run is None:
+                rounds = samples.get(f"{name}@{rate:.0f}")
+                if base is None or rounds is None:
                     continue
-                run["added_p50_ms"] = run["p50_ms"] - base["p50_ms"]
-                run["added_p99_ms"] = run["p99_ms"] - base["p99_ms"]
+                run = results["runs"][f"{name}@{rate:.0f}"]
+                # each round against the direct run of the same round, then the median
+                for q in ("p50", "p99"):
+                    added = [r[f"{q}_ms"] - b[f"{q}_ms"] for r, b in zip(rounds, base, strict=True)]
+                    run[f"added_{q}_ms"] = statistics.median(added)
+                    run[f"added_{q}_ms_rounds"] = [round(a, 4) for a in added]
                 # a direct p99 far above a millisecond means the client machine itself saturated
-                run["client_saturated"] = base["p99_ms"] > 20.0
+                run["client_saturated"] = results["runs"][f"direct@{rate:.0f}"]["p99_ms"] > 20.0
         tp = results.get("max_throughput_rps", {})
         if "omniproxy" in tp and "sglang-router" in tp:
             results["ratio_throughput_ours_over_rust"] = tp["omniproxy"] / max(
@@ -419,7 +444,8 @@ def main() -> int:
         for proc in procs:
             stop(proc)
     args.output.write_text(json.dumps(results, indent=2))
-    print(f"Router overhead, open loop ({args.duration:.0f} s per rate), {args.workers} echo "
+    print(f"Router overhead, open loop ({args.duration:.0f} s per rate, median of "
+          f"{args.repeats} round(s)), {args.workers} echo "
           f"workers, policy {args.policy}, {os.cpu_count()} CPUs"
           f"{', KV events' if args.kv_events else ''}"
           f"{f', {args.prompt_tokens}-token prompts' if args.prompt_tokens else ''}")
