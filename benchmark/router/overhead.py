@@ -214,6 +214,7 @@ def wait_kv_subscribed(base: str, deadline_s: float = 30.0) -> None:
 
 # ---- load -------------------------------------------------------------------------------------
 HEADERS = {"Content-Type": "application/json"}
+SGLANG_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
 WARM_BURST = 32  # concurrent requests in each warm-up burst
 
 
@@ -375,9 +376,12 @@ def main() -> int:
                                 "--policy", args.policy, "--log-level", "warn",
                                 "--max-concurrent-requests", "0", *truth, *key_args]
         rust = free_port()
+        # the Rust router has no oas: its nearest policy (cache-aware with load balancing) stands
+        sglang_policy = args.policy if args.policy in SGLANG_POLICIES else "cache_aware"
+        results["sglang_policy"] = sglang_policy
         targets["sglang-router"] = [sys.executable, "-m", "sglang_router.launch_router",
                                     "--host", "127.0.0.1", "--port", str(rust),
-                                    "--worker-urls", *urls, "--policy", args.policy,
+                                    "--worker-urls", *urls, "--policy", sglang_policy,
                                     "--log-level", "warn", "--prometheus-port", str(free_port()),
                                     *key_args]
         targets = {k: v for k, v in targets.items() if k in wanted}
@@ -446,7 +450,8 @@ def main() -> int:
     args.output.write_text(json.dumps(results, indent=2))
     print(f"Router overhead, open loop ({args.duration:.0f} s per rate, median of "
           f"{args.repeats} round(s)), {args.workers} echo "
-          f"workers, policy {args.policy}, {os.cpu_count()} CPUs"
+          f"workers, policy {args.policy} (sglang-router: {results['sglang_policy']}), "
+          f"{os.cpu_count()} CPUs"
           f"{', KV events' if args.kv_events else ''}"
           f"{f', {args.prompt_tokens}-token prompts' if args.prompt_tokens else ''}")
     print(f"{'target':<15}{'req/s':>7}{'p50 ms':>10}{'p99 ms':>10}{'added p50':>11}"
