@@ -211,6 +211,19 @@ def test_idle_connections_past_keepalive_are_not_reused() -> None:
             await asyncio.sleep(0.1)
             await (await pool.post(url, "/a", b"{}")).read()
             assert pool.connections_opened == 2
+            # a burst leaves extra connections idle; once past keep-alive they are closed as
+            # soon as another one is given back, not kept until the worker drops them
+            pool.keepalive_secs = 0.3
+            burst = await asyncio.gather(*(pool.post(url, "/a", b"{}") for _ in range(4)))
+            for resp in burst:
+                await resp.read()
+            assert pool.idle_count(url) == 4
+            await asyncio.sleep(0.2)
+            await (await pool.post(url, "/a", b"{}")).read()  # reuses the newest: all are kept
+            assert pool.idle_count(url) == 4
+            await asyncio.sleep(0.15)
+            await (await pool.post(url, "/a", b"{}")).read()  # the other three are now stale
+            assert pool.idle_count(url) == 1
             pool.drop(url)
             assert pool.idle_count(url) == 0
             await pool.close()

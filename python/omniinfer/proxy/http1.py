@@ -491,10 +491,16 @@ class Http1Pool:
         idle = self._idle.get(conn.origin.url)
         if idle is None:
             idle = self._idle[conn.origin.url] = deque()
-        if len(idle) >= self.max_idle:
-            idle.popleft().close()  # the oldest goes
-        conn.idle_since = time.monotonic()
+        now = time.monotonic()
+        # the oldest first: past their keep-alive (a burst's extra connections) or over the cap
+        stale = []
+        while idle and (len(idle) >= self.max_idle or
+                        now - idle[0].idle_since > self.keepalive_secs):
+            stale.append(idle.popleft())
+        conn.idle_since = now
         idle.append(conn)
+        for old in stale:  # after the append: closing one that empties the deque would drop it
+            old.close()
 
     def _forget(self, conn: _Connection) -> None:
         self._open.discard(conn)
