@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 
@@ -46,6 +47,17 @@ async def raw_server(handler: Handler) -> AsyncIterator[str]:
             w.close()
 
 
+@contextlib.asynccontextmanager
+async def pool_for(handler: Handler, *args: Any, **kwargs: Any) -> AsyncIterator[tuple[str, Http1Pool]]:
+    """A raw server running ``handler`` and a client pool for it, closed after."""
+    async with raw_server(handler) as url:
+        pool = Http1Pool(*args, **kwargs)
+        try:
+            yield url, pool
+        finally:
+            await pool.close()
+
+
 def answer(body: bytes, extra: bytes = b"") -> bytes:
     return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json; charset=utf-8\r\n" + extra +
             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
@@ -72,8 +84,7 @@ def test_keep_alive_reuses_one_connection_and_sends_the_head_once_built() -> Non
             writer.write(answer(b'{"n":' + str(len(seen)).encode() + b"}"))
 
     async def main() -> None:
-        async with raw_server(handler) as url:
-            pool = Http1Pool({"Authorization": "Bearer k"})
+        async with pool_for(handler, {"Authorization": "Bearer k"}) as (url, pool):
             for i in range(3):
                 resp = await pool.post(url, "/generate", b'{"i":%d}' % i)
                 assert resp.status == 200
@@ -82,7 +93,6 @@ def test_keep_alive_reuses_one_connection_and_sends_the_head_once_built() -> Non
                 resp.release()
             assert pool.connections_opened == 1
             assert pool.idle_count(url) == 1
-            await pool.close()
         head, body = seen[2]
         assert head.startswith(b"POST /generate HTTP/1.1\r\n")
         assert b"\r\nHost: 127.0.0.1:" in head and b"\r\nAuthorization: Bearer k\r\n" in head
@@ -107,8 +117,7 @@ def test_chunked_answer_split_anywhere_is_put_back_together(step: int) -> None:
         writer.write(wire[first:])
 
     async def main() -> None:
-        async with raw_server(handler) as url:
-            pool = Http1Pool()
+        async with pool_for(handler) as (url, pool):
             resp = await pool.post(url, "/generate", b"{}", stream=True)
             assert resp.headers["transfer-encoding"] == "chunked"
             got = b""
@@ -119,7 +128,6 @@ def test_chunked_answer_split_anywhere_is_put_back_together(step: int) -> None:
             second = await pool.post(url, "/generate", b"{}")
             assert await second.read() == b"{}"
             assert pool.connections_opened == 1
-            await pool.close()
 
     run(main())
 
@@ -135,13 +143,11 @@ def test_interim_answer_is_skipped_and_until_eof_body_is_read_whole() -> None:
         writer.close()
 
     async def main() -> None:
-        async with raw_server(handler) as url:
-            pool = Http1Pool()
+        async with pool_for(handler) as (url, pool):
             resp = await pool.post(url, "/x", b"{}")
             assert resp.status == 200 and not resp.keep_alive
             assert await resp.read() == b"part one, part two"
             assert pool.idle_count() == 0
-            await pool.close()
 
     run(main())
 
@@ -156,8 +162,7 @@ def test_connection_close_and_an_early_release_are_not_reused() -> None:
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n0123")
 
     async def main() -> None:
-        async with raw_server(handler) as url:
-            pool = Http1Pool()
+        async with pool_for(handler) as (url, pool):
             resp = await pool.post(url, "/close", b"{}")
             await resp.read()
             assert pool.idle_count() == 0
@@ -168,7 +173,6 @@ def test_connection_close_and_an_early_release_are_not_reused() -> None:
             with pytest.raises(UpstreamClosed):
                 await resp.read()
             assert pool.connections_opened == 2
-            await pool.close()
 
     run(main())
 
@@ -186,14 +190,12 @@ def test_a_reused_connection_the_worker_dropped_is_retried_once_on_a_new_one() -
         await reader.read(1)
 
     async def main() -> None:
-        async with raw_server(handler) as url:
-            pool = Http1Pool()
+        async with pool_for(handler) as (url, pool):
             for _ in range(3):
                 resp = await pool.post(url, "/generate", b"{}")
                 assert await resp.read() == b"{}"
             assert served == 3
             assert pool.connections_opened == 3  # each reuse found a dropped one and retried
-            await pool.close()
 
     run(main())
 
@@ -205,8 +207,7 @@ def test_idle_connections_past_keepalive_are_not_reused() -> None:
             writer.write(answer(b"{}"))
 
     async def main() -> None:
-        async with raw_server(handler) as url:
-            pool = Http1Pool(keepalive_secs=0.05)
+        async with pool_for(handler, keepalive_secs=0.05) as (url, pool):
             await (await pool.post(url, "/a", b"{}")).read()
             await asyncio.sleep(0.1)
             await (await pool.post(url, "/a", b"{}")).read()
@@ -226,7 +227,6 @@ def test_idle_connections_past_keepalive_are_not_reused() -> None:
             assert pool.idle_count(url) == 1
             pool.drop(url)
             assert pool.idle_count(url) == 0
-            await pool.close()
 
     run(main())
 
@@ -239,8 +239,7 @@ def test_timeouts_total_and_idle_read_and_connect_refused() -> None:
         await asyncio.sleep(30)
 
     async def main() -> None:
-        async with raw_server(silent) as url:
-            pool = Http1Pool()
+        async with pool_for(silent) as (url, pool):
             loop = asyncio.get_running_loop()
             start = loop.time()
             with pytest.raises(TimeoutError):
@@ -251,7 +250,6 @@ def test_timeouts_total_and_idle_read_and_connect_refused() -> None:
             with pytest.raises(TimeoutError):
                 await resp.readany(0.1)
             resp.close()
-            await pool.close()
         pool = Http1Pool()
         with pytest.raises(OSError):
             await pool.post(url, "/gone", b"{}", connect_timeout=1.0)
@@ -276,14 +274,12 @@ def test_an_unreadable_answer_fails_as_a_connection_error(wire: bytes) -> None:
         await asyncio.sleep(5)
 
     async def main() -> None:
-        async with raw_server(handler) as url:
-            pool = Http1Pool()
+        async with pool_for(handler) as (url, pool):
             with pytest.raises(ConnectionError) as info:
                 resp = await pool.post(url, "/x", b"{}")
                 await resp.read()
             assert isinstance(info.value, UpstreamProtocolError)
             assert pool.idle_count() == 0
-            await pool.close()
 
     run(main())
 
@@ -299,8 +295,7 @@ def test_truncated_body_and_cancelled_wait_close_the_connection() -> None:
             await asyncio.sleep(30)
 
     async def main() -> None:
-        async with raw_server(handler) as url:
-            pool = Http1Pool()
+        async with pool_for(handler) as (url, pool):
             resp = await pool.post(url, "/cut", b"{}")
             with pytest.raises(UpstreamClosed):
                 await resp.read()
@@ -311,7 +306,6 @@ def test_truncated_body_and_cancelled_wait_close_the_connection() -> None:
                 await task
             await asyncio.sleep(0.05)
             assert pool.idle_count() == 0 and not pool._open
-            await pool.close()
 
     run(main())
 
@@ -329,8 +323,7 @@ def test_a_slow_reader_pauses_the_socket_and_loses_nothing() -> None:
             await writer.drain()
 
     async def main() -> None:
-        async with raw_server(handler) as url:
-            pool = Http1Pool()
+        async with pool_for(handler) as (url, pool):
             resp = await pool.post(url, "/big", b"{}", stream=True)
             await asyncio.sleep(0.5)  # the worker writes far ahead of the reader
             conn = next(iter(pool._open))
@@ -340,6 +333,5 @@ def test_a_slow_reader_pauses_the_socket_and_loses_nothing() -> None:
             while chunk := await resp.readany(5.0):
                 total += len(chunk)
             assert total == count * len(part)
-            await pool.close()
 
     run(main())

@@ -25,7 +25,8 @@ MAX_HEAD = 64 * 1024  # a worker's status line + headers
 MAX_CHUNK_LINE = 1024  # a chunk-size line (size, extensions)
 PAUSE_ABOVE = 1 << 20  # a stream buffered past this pauses reading until the reader catches up
 RESUME_BELOW = 1 << 18
-MAX_CACHED_HEADS = 4096
+MAX_ORIGINS = 4096  # workers whose parsed URL and request heads are kept
+MAX_HEADS_PER_ORIGIN = 64  # paths a head is kept for, per worker
 
 # parser states
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILER, _UNTIL_EOF, _DONE = range(8)
@@ -108,17 +109,16 @@ class Response:
             if timer is not None:
                 timer.cancel()
 
-    def release(self) -> None:
+    def close(self) -> None:
         """Done with it: an answer read to its end has already freed its connection; one that
         was not is cut (its rest cannot be told apart from the next answer)."""
-        self.close()
-
-    def close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None and not self._done:
             conn.close()
         if not self._done and self._exc is None:
             self._exc = UpstreamClosed("answer closed before its end")
+
+    release = close  # aiohttp's name for the same step
 
     # ---- fed by the connection -----------------------------------------------------------
     def _feed(self, data: bytes) -> None:
@@ -409,7 +409,7 @@ class Http1Pool:
     def origin(self, url: str) -> Origin:
         origin = self._origins.get(url)
         if origin is None:
-            if len(self._origins) >= MAX_CACHED_HEADS:
+            if len(self._origins) >= MAX_ORIGINS:
                 self._origins.clear()
             origin = self._origins[url] = Origin(url)
         return origin
@@ -421,7 +421,7 @@ class Http1Pool:
         origin = self.origin(url)
         head = origin.heads.get(path)
         if head is None:
-            if len(origin.heads) >= 64:
+            if len(origin.heads) >= MAX_HEADS_PER_ORIGIN:
                 origin.heads.clear()
             head = origin.heads[path] = (
                 f"POST {path} HTTP/1.1\r\nHost: {origin.host_header}\r\n{self.extra}"
