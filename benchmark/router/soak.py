@@ -3,7 +3,10 @@
 Traffic (open loop at --rate req/s): normal and streaming requests, clients that leave after
 the first event, and bad inputs (deep nesting, huge numbers, wrong types, garbage). Faults every
 --fault-every seconds: a worker killed and restarted on its port, or frozen (SIGSTOP) for a
-while and thawed. At the end it prints requests sent, faults injected, bad inputs tried,
+while and thawed. With --attacks (the default) it also mixes in the attacks of ``attacks.py``:
+large bodies under a short head timeout, a user key calling the admin routes, gzip bombs,
+clients that never read their stream (each with what must hold: breaches must be 0, the write
+deadline frees the slots). At the end it prints requests sent, faults injected, bad inputs tried,
 requests lost (no answer, or a stream without its end: must be 0), 5xx answers to bad inputs
 (must be 0), the router's RSS after warm-up and at the end, and the router's in-flight counters
 once traffic stopped (must all be 0). Every --sample-every seconds it also records the router's
@@ -35,11 +38,15 @@ from typing import Any
 
 import aiohttp
 
-from omniinfer.launch import free_port
-from omniinfer.proxy.process import RouterProcess
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attacks import ADMIN_KEY, WEIGHTS, attack, router_flags  # noqa: E402
+
+from omniinfer.launch import free_port  # noqa: E402
+from omniinfer.proxy.process import RouterProcess  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 KEY = "soak-key"
+ATTACKS = False  # set from --attacks in main()
 
 
 class Worker:
@@ -99,6 +106,7 @@ class Tally:
         self.counts: dict[str, int] = {}
         self.lost: list[str] = []
         self.bad_5xx: list[str] = []
+        self.breaches: list[str] = []  # an attack that got through
 
     def add(self, key: str) -> None:
         self.counts[key] = self.counts.get(key, 0) + 1
@@ -147,9 +155,13 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
+def admin_key() -> str:
+    return ADMIN_KEY if ATTACKS else KEY
+
+
 def describe(base: str) -> dict[str, Any]:
     req = urllib.request.Request(base + "/list_workers",
-                                 headers={"Authorization": f"Bearer {KEY}"})
+                                 headers={"Authorization": f"Bearer {admin_key()}"})
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
 
@@ -189,7 +201,8 @@ async def sample(session: aiohttp.ClientSession, base: str, pid: int, start: flo
                  series: list[dict[str, Any]]) -> None:
     """One point of the memory series: RSS beside the router's table sizes and live heap."""
     try:
-        async with session.get(base + "/list_workers", headers={"Authorization": f"Bearer {KEY}"},
+        async with session.get(base + "/list_workers",
+                               headers={"Authorization": f"Bearer {admin_key()}"},
                                timeout=aiohttp.ClientTimeout(total=10)) as resp:
             state = await resp.json()
     except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -201,6 +214,8 @@ async def traffic(base: str, workers: list[Worker], args: argparse.Namespace,
                   tally: Tally, router_pid: int, rss: dict[str, int],
                   series: list[dict[str, Any]]) -> None:
     kinds = ["normal"] * 45 + ["stream"] * 25 + ["leave"] * 10 + ["bad"] * 20
+    if args.attacks:
+        kinds += [kind for kind, weight in WEIGHTS.items() for _ in range(weight)]
     duration = args.minutes * 60
     warmup = min(120.0, duration * 0.1)
     start = time.monotonic()
@@ -221,7 +236,8 @@ async def traffic(base: str, workers: list[Worker], args: argparse.Namespace,
                 next_fault = now + args.fault_every
                 asyncio.get_running_loop().run_in_executor(None, fault, workers, tally)
             kind = random.choice(kinds)
-            task = asyncio.create_task(one(session, base, kind, i, tally))
+            task = asyncio.create_task(attack(kind, session, base, KEY, tally) if kind in WEIGHTS
+                                       else one(session, base, kind, i, tally))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             i += 1
@@ -302,8 +318,12 @@ def main() -> int:
                     help="seconds between two points of the RSS / table-size series")
     ap.add_argument("--max-tree-size", type=int, default=None,
                     help="the router's prefix-index cap in tokens per worker (default: its own)")
+    ap.add_argument("--attacks", action=argparse.BooleanOptionalAction, default=True,
+                    help="mix in the attacks of attacks.py (--no-attacks: plain traffic)")
     ap.add_argument("--out", default=str(HERE / "soak.json"))
     args = ap.parse_args()
+    global ATTACKS
+    ATTACKS = args.attacks
     random.seed(args.seed)
     log_dir = Path(tempfile.mkdtemp(prefix="omniproxy-soak-"))
     workers = [Worker("prefill", log_dir), Worker("prefill", log_dir), Worker("decode", log_dir)]
@@ -320,6 +340,8 @@ def main() -> int:
                        "--access-log", str(log_dir / "access.jsonl")]
         if args.max_tree_size:
             router_args += ["--max-tree-size", str(args.max_tree_size)]
+        if args.attacks:
+            router_args += router_flags()
         for w in workers:
             router_args += (["--prefill", w.url, str(w.bootstrap)] if w.mode == "prefill"
                             else ["--decode", w.url])
@@ -348,6 +370,10 @@ def main() -> int:
                "faults_injected": sum(v for k, v in tally.counts.items()
                                       if k.startswith("fault_")),
                "requests_lost": len(tally.lost), "bad_input_5xx": len(tally.bad_5xx),
+               "attacks": args.attacks, "breaches": len(tally.breaches),
+               "breach_examples": tally.breaches[:10],
+               "router_guards": final.get("connections"),
+               "router_rss_peak_kib": max((p["rss_kib"] for p in series), default=0),
                "router_rss_kib": rss, "memory": growth(series, args.minutes * 60),
                "rss_series": series, "prefix_index_at_end": final["tables"]["prefix_index"],
                "inflight_at_end": {k: v for k, v in left.items() if v},
@@ -362,7 +388,7 @@ def main() -> int:
     plot(series, Path(args.out).with_suffix(".png"))
     print("counts:", summary["counts"])
     print("process logs:", log_dir)
-    ok = not tally.lost and not tally.bad_5xx and not summary["inflight_at_end"]
+    ok = not (tally.lost or tally.bad_5xx or tally.breaches or summary["inflight_at_end"])
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

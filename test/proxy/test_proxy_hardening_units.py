@@ -66,8 +66,9 @@ def test_api_key_and_control_plane_roles() -> None:
     for key in ("sk-data", "sk-user", "sk-admin"):  # every key may use the data plane
         assert guard.check(_request("/generate", key=key))[0] is None
     assert guard.check(_request("/generate", key="sk-wrong"))[0].status == 401
-    assert guard.check(_request("/health"))[0] is None  # health and metrics stay open
-    assert guard.check(_request("/metrics", "GET"))[0] is None
+    assert guard.check(_request("/health"))[0] is None  # health stays open
+    assert guard.check(_request("/metrics", "GET"))[0].status == 401  # it names the workers
+    assert guard.check(_request("/metrics", "GET", key="sk-user"))[0] is None
     assert guard.check(_request("/add_worker", key="sk-user"))[0].status == 403
     assert guard.check(_request("/add_worker", key="sk-data"))[0].status == 403
     assert guard.check(_request("/add_worker"))[0].status == 401
@@ -154,17 +155,17 @@ def test_tokenizing_is_bounded_and_a_waiting_client_costs_nothing() -> None:
         router = Router(RouterConfig(worker_urls=["http://127.0.0.1:9"], tokenize_concurrency=1))
         router._loop_ref = asyncio.get_running_loop()
         tok = router.tokenizer = _SlowTokenizer()
-        first = asyncio.ensure_future(router.tokenize("generate", {"text": "aaaa"}))
-        second = asyncio.ensure_future(router.tokenize("generate", {"text": "bbbb"}))
+        first = asyncio.ensure_future(router.tokenize("generate", b'{"text": "aaaa"}'))
+        second = asyncio.ensure_future(router.tokenize("generate", b'{"text": "bbbb"}'))
         deadline = asyncio.get_running_loop().time() + 10
         while tok.calls < 1:  # the first prompt reached the tokenizer thread
             assert asyncio.get_running_loop().time() < deadline, "the tokenizer never ran"
             await asyncio.sleep(0.001)
         second.cancel()  # this client leaves while waiting for the slot
         tok.release.set()
-        assert (await first)[0] == [[1, 1, 1, 1]]
-        third = await router.tokenize("generate", {"text": "cc"})
-        assert third[0] == [[1, 1]]
+        assert (await first)[1] == [[1, 1, 1, 1]]
+        third = await router.tokenize("generate", b'{"text": "cc"}')
+        assert third[1] == [[1, 1]]
         router._tokenize_pool.shutdown(wait=True)
         return tok
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from omniinfer.proxy.http1 import PAUSE_ABOVE, Http1Pool, UpstreamClosed, UpstreamProtocolError
+from omniinfer.proxy.http1 import Http1Pool
+from omniinfer.proxy.http1_response import PAUSE_ABOVE, UpstreamClosed, UpstreamProtocolError
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -266,6 +267,13 @@ def test_timeouts_total_and_idle_read_and_connect_refused() -> None:
     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXX",
     b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nabc",
     b"HTTP/1.1 200 OK\r\nX: " + b"y" * 70000,
+    # found by the round-two probe: each was read as a valid answer before
+    b"HTTP/1.1 200 OK\r\nX: " + b"y" * 70000 + b"\r\nContent-Length: 2\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\nX-Evil: 1\r\nContent-Length: 2\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nX-A: a\rb\r\nContent-Length: 2\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x1\r\na\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n+1\r\na\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1_0\r\naaaaaaaaaaaaaaaa\r\n0\r\n\r\n",
 ])
 def test_an_unreadable_answer_fails_as_a_connection_error(wire: bytes) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -333,5 +341,40 @@ def test_a_slow_reader_pauses_the_socket_and_loses_nothing() -> None:
             while chunk := await resp.readany(5.0):
                 total += len(chunk)
             assert total == count * len(part)
+
+    run(main())
+
+
+def test_a_stream_whose_head_never_comes_fails_at_the_head_timeout() -> None:
+    """The first-byte timeout covers the answer head too (before, only the total did)."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await asyncio.sleep(30)
+
+    async def main() -> None:
+        async with pool_for(handler) as (url, pool):
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(TimeoutError):
+                await pool.post(url, "/generate", b"{}", stream=True, total_timeout=20,
+                                head_timeout=0.3)
+            assert asyncio.get_running_loop().time() - started < 3
+
+    run(main())
+
+
+def test_an_answer_read_whole_past_the_cap_is_cut() -> None:
+    from omniinfer.proxy.http1_response import UpstreamTooLarge
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(answer(b"z" * (6 << 20)))
+        await writer.drain()
+
+    async def main() -> None:
+        async with pool_for(handler, max_answer_bytes=2 << 20) as (url, pool):
+            resp = await pool.post(url, "/generate", b"{}")
+            with pytest.raises(UpstreamTooLarge):
+                await resp.read()
+            assert pool.idle_count() == 0
 
     run(main())

@@ -4,8 +4,12 @@ Flags as ``sglang_router.launch_router`` reads them: ``--api-key`` is sent to wo
 ``Authorization: Bearer KEY`` and, as SGLang's own server does, required of clients on every
 route but health and metrics. ``--control-plane-api-keys 'id:name:role:key'`` (role ``admin`` or
 ``user``) adds named keys: ``admin`` may call the admin routes, both may call the data plane.
-With no admin key configured, the mutating admin routes answer loopback clients only, so a
-router started with no flags cannot be reconfigured from the network. ``--control-plane-audit-
+Once any control-plane key exists, the admin routes answer admin keys only, from anywhere
+(loopback included: behind a reverse proxy on the same host every client is loopback). With no
+control-plane key, the mutating admin routes answer loopback clients only (with ``--api-key``
+when one is set), so a router started with no flags cannot be reconfigured from the network.
+``/metrics`` names the workers: it asks for a key whenever one is configured (the
+``--prometheus-port`` listener stays open; bind it where scrapers are). ``--control-plane-audit-
 enabled`` logs one line per admin call (who, role, method, path, outcome).
 """
 
@@ -26,7 +30,7 @@ audit_log = logging.getLogger("omniinfer.proxy.audit")
 log = logging.getLogger("omniinfer.proxy")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-OPEN_PATHS = frozenset({"/health", "/readiness", "/liveness", "/health_generate", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/readiness", "/liveness", "/health_generate"})
 ADMIN_MUTATING = frozenset({"/add_worker", "/remove_worker", "/flush_cache"})
 ADMIN_READ = frozenset({"/list_workers"})
 
@@ -71,7 +75,6 @@ class Guard:
         self.api_key = _digest(api_key) if api_key else None
         self.keys = parse_control_plane_keys(control_plane_keys)
         self.audit = audit
-        self.has_admin_key = any(p.role == "admin" for p in self.keys.values())
         # the data plane asks for a key once one meant for it exists (--api-key or a user key)
         self.data_keys = api_key is not None or any(p.role == "user" for p in self.keys.values())
 
@@ -98,18 +101,18 @@ class Guard:
             return None, None
         who = self.identify(request)
         admin = path in ADMIN_MUTATING or path in ADMIN_READ
-        if admin and self.has_admin_key:
+        if admin and self.keys:
             if who is None:
                 return error_response(401, "an admin key is required", "unauthorized"), None
             if who.role != "admin":
                 return error_response(403, "this key may not call admin routes",
                                       "forbidden"), who
             return None, who
-        if (self.data_keys or admin and self.keys) and who is None:
+        if self.data_keys and who is None:
             return error_response(401, "missing or invalid API key", "unauthorized"), None
         if path in ADMIN_MUTATING and not is_loopback(request.remote):
-            return error_response(403, "admin routes answer loopback clients only unless an "
-                                  "admin --control-plane-api-keys entry is configured",
+            return error_response(403, "admin routes answer loopback clients only unless "
+                                  "--control-plane-api-keys are configured",
                                   "forbidden"), who
         return None, who
 

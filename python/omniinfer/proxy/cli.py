@@ -76,7 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--default-max-new-tokens", type=int,
                    help="expected output tokens when a request gives no limit")
     q = p.add_argument_group("admission, retries, health")
-    q.add_argument("--max-payload-size", type=int)
+    q.add_argument("--max-payload-size", type=int, help="largest request body, in bytes")
+    q.add_argument("--max-response-size", type=int,
+                   help="largest non-streamed worker answer the router buffers, in bytes; "
+                   "a larger one is a 502 (streams are not buffered)")
     q.add_argument("--request-timeout-secs", type=float,
                    help="total time of one upstream attempt")
     q.add_argument("--upstream-connect-timeout-secs", type=float)
@@ -87,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--client-header-timeout-secs", type=float,
                    help="a client's request head must arrive within this")
     q.add_argument("--client-body-timeout-secs", type=float)
+    q.add_argument("--client-write-timeout-secs", type=float,
+                   help="a client that accepts no byte of its answer for this long is "
+                   "disconnected and its request aborted on the worker")
     q.add_argument("--max-connections", type=int,
                    help="open client connections; more are refused with a 503")
     q.add_argument("--tokenize-concurrency", type=int,

@@ -34,12 +34,14 @@ class RouterConfig:
     model_path: str | None = None
     tokenizer_path: str | None = None
     max_payload_size: int = 256 * 1024 * 1024
+    max_response_size: int = 64 * 1024 * 1024  # a worker's non-streamed answer, read whole
     request_timeout_secs: float = 1800.0  # sglang_router's meaning: the total per attempt
     upstream_connect_timeout_secs: float = 10.0
     upstream_first_byte_timeout_secs: float = 600.0  # streams: until the first event
     upstream_idle_timeout_secs: float = 300.0  # streams: between two reads
     client_header_timeout_secs: float = 30.0  # a connection's request head, first byte to last
     client_body_timeout_secs: float = 60.0
+    client_write_timeout_secs: float = 60.0  # a client that accepts no byte of its answer
     max_connections: int = 8192  # open client connections; beyond: refused with a 503
     tokenize_concurrency: int = 2  # prompts tokenized at once, off the event loop
     api_key: str | None = None  # presented to workers; clients must present it too
@@ -106,7 +108,8 @@ class RouterConfig:
             raise ValueError("--oas-ttft-slo-secs must be positive")
         for name in ("upstream_connect_timeout_secs", "upstream_first_byte_timeout_secs",
                      "upstream_idle_timeout_secs", "client_header_timeout_secs",
-                     "client_body_timeout_secs", "request_timeout_secs", "oas_batch_tokens",
+                     "client_body_timeout_secs", "client_write_timeout_secs",
+                     "request_timeout_secs", "oas_batch_tokens",
                      "oas_hold_bound_cycles"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
@@ -114,7 +117,7 @@ class RouterConfig:
             raise ValueError("--oas-lead-fraction must be within (0, 1]")
         for name in ("oas_decode_max_running", "max_connections", "tokenize_concurrency",
                      "access_log_max_bytes", "access_log_backups", "kv_events_max_dp_size",
-                     "kv_events_max_pages", "max_payload_size"):
+                     "kv_events_max_pages", "max_payload_size", "max_response_size"):
             if getattr(self, name) < (0 if name in ("oas_decode_max_running",
                                                     "access_log_backups") else 1):
                 raise ValueError(f"--{name.replace('_', '-')} is out of range")

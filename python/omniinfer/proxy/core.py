@@ -29,7 +29,13 @@ from omniinfer.proxy.http1 import Http1Pool
 from omniinfer.proxy.kv_subscriber import CacheTruth, parse_endpoint_overrides
 from omniinfer.proxy.metrics import AccessLog, ProxyMetrics
 from omniinfer.proxy.prefix import PrefixIndex, block_hashes
-from omniinfer.proxy.tokenization import ApproxTokenizer, Tokenizer, load_tokenizer, prompt_tokens
+from omniinfer.proxy.tokenization import (
+    ApproxTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    parse_body,
+    prompt_tokens,
+)
 from omniinfer.proxy.workers import Role, Worker, WorkerLoads, WorkerPool
 
 log = logging.getLogger("omniinfer.proxy")
@@ -74,7 +80,8 @@ class Router:
             max(1, config.tokenize_concurrency), thread_name_prefix="omniproxy-tokenize")
         self.tokenizer: Tokenizer = ApproxTokenizer()
         self.session: aiohttp.ClientSession | None = None  # control plane (health, aborts, ...)
-        self.http = Http1Pool(self.session_headers)  # the hot path: requests to the workers
+        # the hot path: requests to the workers
+        self.http = Http1Pool(self.session_headers, max_answer_bytes=config.max_response_size)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[Any]] = []
         self._loop_ref: asyncio.AbstractEventLoop | None = None
@@ -95,8 +102,8 @@ class Router:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         # no cookie jar: a Set-Cookie from one worker answer must not ride on every later
         # request (other users'), and an empty jar is still looked up on each request
+        # the key rides on each call to an accepted worker, never on a candidate's probe
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                             headers=self.session_headers,
                                              cookie_jar=aiohttp.DummyCookieJar(),
                                              skip_auto_headers=("User-Agent",))
         await self.check_health(initial=True)
@@ -171,19 +178,21 @@ class Router:
         base = f"{self._rid_prefix}{self._rid_counter & 0xFFFFFFFFFFFF:012x}"
         return [base] if batch == 1 else [f"{base}-{i:06d}" for i in range(batch)]
 
-    def _tokens_and_hashes(self, endpoint: str, body: dict[str, Any]
-                           ) -> tuple[list[list[int]], list[int]]:
+    def _parse_and_tokenize(self, endpoint: str, raw: bytes
+                            ) -> tuple[dict[str, Any], list[list[int]], list[int]]:
+        body = parse_body(endpoint, raw)
         prompts = prompt_tokens(endpoint, body, self.tokenizer)
-        return prompts, block_hashes(prompts[0], self.config.apc_block_size)
+        return body, prompts, block_hashes(prompts[0], self.config.apc_block_size)
 
-    async def tokenize(self, endpoint: str, body: dict[str, Any]
-                       ) -> tuple[list[list[int]], list[int]]:
-        """Tokens and the first prompt's block hashes, computed off the loop, at most
-        ``--tokenize-concurrency`` at once; a client that leaves while its prompt waits for a
-        slot costs nothing more."""
+    async def tokenize(self, endpoint: str, raw: bytes
+                       ) -> tuple[dict[str, Any], list[list[int]], list[int]]:
+        """A large body parsed (``parse_body``), its prompts tokenized and the first one's
+        block hashes computed, off the loop and at most ``--tokenize-concurrency`` at once: the
+        loop never stalls on a large body, and bodies waiting for a slot hold only their bytes.
+        A client that leaves while its prompt waits for a slot costs nothing more."""
         await self._tokenize_slots.acquire()
         try:
-            job = self._tokenize_pool.submit(self._tokens_and_hashes, endpoint, body)
+            job = self._tokenize_pool.submit(self._parse_and_tokenize, endpoint, raw)
         except BaseException:
             self._tokenize_slots.release()
             raise
@@ -232,7 +241,8 @@ class Router:
         try:
             async with self.session.post(
                     worker.url + "/abort_request", data=orjson.dumps({"rid": rid}),
-                    headers=JSON_HEADERS, timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
+                    headers={**JSON_HEADERS, **self.session_headers},
+                    timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
                 await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             log.info("abort %s at %s failed: %s", rid, worker.url, exc)
@@ -241,7 +251,7 @@ class Router:
         """GET ``path`` and decode JSON; None on any failure."""
         assert self.session is not None
         try:
-            async with self.session.get(worker.url + path,
+            async with self.session.get(worker.url + path, headers=self.session_headers,
                                         timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 if resp.status != 200:
                     return None
@@ -250,11 +260,13 @@ class Router:
             return None
 
     # ---- health and loads -------------------------------------------------------------------
-    async def _probe(self, worker: Worker) -> bool:
+    async def _probe(self, worker: Worker, accepted: bool = True) -> bool:
+        """The health check; a candidate (``accepted=False``) is not shown the worker key."""
         assert self.session is not None
         try:
             async with self.session.get(
                     worker.url + self.config.health_check_endpoint,
+                    headers=self.session_headers if accepted else None,
                     timeout=aiohttp.ClientTimeout(total=self.config.health_check_timeout_secs)
             ) as resp:
                 await resp.read()
@@ -320,6 +332,7 @@ class Router:
         assert self.session is not None
         try:
             async with self.session.get(worker.url + "/v1/loads?include=core",
+                                        headers=self.session_headers,
                                         timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
                 if resp.status == 404:
                     worker.loads_supported = False
@@ -341,7 +354,7 @@ class Router:
         worker = self.make_worker(url, role, bootstrap_port)
         if self.pool.get(worker.url) is not None:
             raise ValueError(f"worker already registered: {worker.url}")
-        if not await self._probe(worker):
+        if not await self._probe(worker, accepted=False):
             raise ValueError(f"worker {worker.url} failed its health check; not added")
         self.apply_health(worker, True, initial=True)
         if self.pool.get(worker.url) is not None:  # added concurrently meanwhile
@@ -369,6 +382,7 @@ class Router:
         async def one(worker: Worker) -> int | str:
             try:
                 async with self.session.post(worker.url + "/flush_cache",  # type: ignore[union-attr]
+                                             headers=self.session_headers,
                                              timeout=aiohttp.ClientTimeout(total=30.0)) as resp:
                     await resp.read()
                     return resp.status

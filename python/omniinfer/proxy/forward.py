@@ -12,11 +12,11 @@ prefix of another: SGLang aborts by prefix); the client's rid stays in the acces
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from omniinfer.proxy.accuracy import (
@@ -30,7 +30,7 @@ from omniinfer.proxy.base import Decision, RouteRequest
 from omniinfer.proxy.core import Router
 from omniinfer.proxy.lifecycle import Lifecycle, Phase
 from omniinfer.proxy.prefix import block_hashes
-from omniinfer.proxy.tokenization import BadRequest, check_limits, output_budget, prompt_tokens
+from omniinfer.proxy.tokenization import BadRequest, output_budget, parse_body, prompt_tokens
 from omniinfer.proxy.upstream import (
     UPSTREAM_PATHS,
     Exchange,
@@ -44,6 +44,7 @@ from omniinfer.proxy.upstream import (
 )
 from omniinfer.proxy.workers import Role, Worker
 
+log = logging.getLogger("omniinfer.proxy")
 INLINE_TOKENIZE_BYTES = 16384  # smaller bodies are tokenized on the loop (cheaper than a hop)
 MAX_BATCH = 65536  # prompts in one request (rids carry a fixed-width index)
 MAX_OUTPUT_TOKENS = 1 << 24  # a larger limit is counted as this much load
@@ -104,6 +105,20 @@ async def _read_body(router: Router, request: web.Request) -> bytes:
         raise BodyTimeout from None
 
 
+def _samples(endpoint: str, body: dict[str, Any]) -> Any:
+    """Samples per prompt where SGLang reads them: ``sampling_params.n`` (a list of sampling
+    params on a batch: each one's) on /generate, ``n`` on the OpenAI routes; 1 if unset."""
+    if endpoint != "generate":
+        n = body.get("n")
+        return 1 if n is None else n
+    params = body.get("sampling_params")
+    for one in params if isinstance(params, list) else [params]:
+        n = one.get("n") if isinstance(one, dict) else None
+        if n is not None and n != 1:
+            return n
+    return 1
+
+
 def _client_rid_header(rid: Any) -> str | None:
     """The client's rid as a header value, if it is a short printable string."""
     if isinstance(rid, str) and 0 < len(rid) <= 256 and rid.isprintable() and rid.isascii():
@@ -114,35 +129,24 @@ def _client_rid_header(rid: Any) -> str | None:
 async def _prepare(router: Router, request: web.Request, endpoint: str, life: Lifecycle,
                    record: dict[str, Any]) -> Exchange:
     raw = await _read_body(router, request)
-    try:
-        body = orjson.loads(raw)
-        orjson.dumps(body)  # what cannot be re-encoded for the workers is refused now
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"body is not valid JSON: {exc}") from None
-    except (TypeError, orjson.JSONEncodeError) as exc:
-        raise BadRequest(f"body cannot be forwarded: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("body must be a JSON object")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be true or false")
-    check_limits(endpoint, body)
     life.enter(Phase.TOKENIZE, life.arrival)
     size = router.config.apc_block_size
     try:
-        if len(raw) > INLINE_TOKENIZE_BYTES:  # tokens and hashes off the loop, bounded
-            prompts, hashes = await router.tokenize(endpoint, body)
+        if len(raw) > INLINE_TOKENIZE_BYTES:  # parsed, tokenized, hashed off the loop, bounded
+            body, prompts, hashes = await router.tokenize(endpoint, raw)
         else:
+            body = parse_body(endpoint, raw)
             prompts = prompt_tokens(endpoint, body, router.tokenizer)
             hashes = block_hashes(prompts[0], size)
     except BadRequest:
         raise
     except (TypeError, ValueError, RecursionError, OverflowError) as exc:
         raise BadRequest(f"the prompt cannot be tokenized: {exc}") from None
+    stream = body.get("stream", False)
     if len(prompts) > MAX_BATCH:
         raise BadRequest(f"at most {MAX_BATCH} prompts per request")
-    if router.pd and endpoint == "generate" and body.get("n", 1) not in (1, None):
-        raise BadRequest("'n' > 1 is not supported in PD mode")
+    if router.pd and _samples(endpoint, body) != 1:
+        raise BadRequest("'n' > 1 is not supported in PD mode (one decode per prefill)")
     life.enter(Phase.APC_MATCHING)
     budget = min(MAX_OUTPUT_TOKENS, output_budget(endpoint, body,
                                                   router.config.default_max_new_tokens))
@@ -192,9 +196,12 @@ async def backoff(router: Router, attempt: int) -> None:
 
 
 def no_worker(failure: UpstreamFailure | None) -> web.Response:
+    """The answer when no attempt succeeded; the worker's URL and text stay in the log."""
     if failure is None:
         return error_response(503, "no healthy worker available", "unavailable", retry_after=1)
-    return error_response(502, f"upstream {failure.worker.url} failed: {failure}", "upstream_error")
+    log.warning("request failed: %s: %s", failure.worker.url, failure)
+    return error_response(502, f"the upstream worker failed ({failure.summary})",
+                          "upstream_error")
 
 
 def note_prediction(router: Router, ex: Exchange, worker: Worker, reported: int | None) -> None:
@@ -254,6 +261,8 @@ async def _regular(router: Router, request: web.Request, ex: Exchange) -> web.St
             router.record_failure(worker, f.kind)
             router.abort(worker, rids, f.kind)  # before any retry: the work must not run twice
             ex.record.setdefault("failures", []).append(f"{worker.url}: {f}")
+            if not f.retryable:
+                break
             if attempt + 1 < router.config.max_attempts:
                 router.metrics.retries.labels("regular", f.kind).inc()
                 await backoff(router, attempt)

@@ -21,136 +21,22 @@ from collections import deque
 from typing import Any
 from urllib.parse import urlsplit
 
+from omniinfer.proxy.http1_response import (
+    NO_LIMIT,
+    Response,
+    UpstreamClosed,
+    UpstreamProtocolError,
+)
+
 MAX_HEAD = 64 * 1024  # a worker's status line + headers
 MAX_CHUNK_LINE = 1024  # a chunk-size line (size, extensions)
-PAUSE_ABOVE = 1 << 20  # a stream buffered past this pauses reading until the reader catches up
-RESUME_BELOW = 1 << 18
+HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
+BAD_IN_HEAD = (b"\r", b"\n", b"\x00")  # bare CR or LF, NUL: not HTTP/1.1 (RFC 9112 2.2)
 MAX_ORIGINS = 4096  # workers whose parsed URL and request heads are kept
 MAX_HEADS_PER_ORIGIN = 64  # paths a head is kept for, per worker
 
 # parser states
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILER, _UNTIL_EOF, _DONE = range(8)
-
-
-class UpstreamClosed(ConnectionError):
-    """The worker closed the connection before its answer was complete."""
-
-
-class UpstreamProtocolError(ConnectionError):
-    """The worker's answer is not HTTP/1.x the client can read."""
-
-
-class Response:
-    """One answer: status and headers once the head is in; the body read whole or as it comes."""
-
-    __slots__ = ("status", "headers", "keep_alive", "_conn", "_chunks", "_size", "_done", "_exc",
-                 "_waiter", "_head", "_stream")
-
-    def __init__(self, conn: _Connection, head: asyncio.Future[None], stream: bool) -> None:
-        self.status = 0
-        self.headers: dict[str, str] = {}
-        self.keep_alive = False
-        self._conn: _Connection | None = conn
-        self._chunks: list[bytes] = []
-        self._size = 0
-        self._done = False
-        self._exc: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._head = head
-        self._stream = stream
-
-    @property
-    def content_type(self) -> str:
-        """The media type without parameters (what aiohttp's ``content_type`` gives)."""
-        return self.headers.get("content-type", "").partition(";")[0].strip()
-
-    async def read(self) -> bytes:
-        """The whole body (waits for its end)."""
-        self._stream = False
-        conn = self._conn
-        if conn is not None and conn.paused:
-            conn.resume()
-        while not self._done:
-            if self._exc is not None:
-                raise self._exc
-            await self._wait(None)
-        if self._exc is not None:
-            raise self._exc
-        data = b"".join(self._chunks)
-        self._chunks.clear()
-        self._size = 0
-        return data
-
-    async def readany(self, timeout: float | None = None) -> bytes:
-        """What has arrived since the last call (waits up to ``timeout`` s for some); b"" at the end."""
-        while True:
-            if self._chunks:
-                data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
-                self._chunks.clear()
-                self._size = 0
-                conn = self._conn
-                if conn is not None and conn.paused:
-                    conn.resume()
-                return data
-            if self._exc is not None:
-                raise self._exc
-            if self._done:
-                return b""
-            await self._wait(timeout)
-
-    async def _wait(self, timeout: float | None) -> None:
-        loop = asyncio.get_running_loop()
-        waiter = self._waiter = loop.create_future()
-        timer = None if timeout is None else loop.call_later(timeout, _expire, waiter)
-        try:
-            await waiter
-        finally:
-            self._waiter = None
-            if timer is not None:
-                timer.cancel()
-
-    def close(self) -> None:
-        """Done with it: an answer read to its end has already freed its connection; one that
-        was not is cut (its rest cannot be told apart from the next answer)."""
-        conn, self._conn = self._conn, None
-        if conn is not None and not self._done:
-            conn.close()
-        if not self._done and self._exc is None:
-            self._exc = UpstreamClosed("answer closed before its end")
-
-    release = close  # aiohttp's name for the same step
-
-    # ---- fed by the connection -----------------------------------------------------------
-    def _feed(self, data: bytes) -> None:
-        self._chunks.append(data)
-        self._size += len(data)
-        if self._stream and self._size > PAUSE_ABOVE and self._conn is not None:
-            self._conn.pause()
-        self._wake()
-
-    def _finish(self) -> None:
-        self._done = True
-        self._conn = None
-        self._wake()
-
-    def _fail(self, exc: BaseException) -> None:
-        if self._done or self._exc is not None:
-            return
-        self._exc = exc
-        self._conn = None
-        if not self._head.done():
-            self._head.set_exception(exc)
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError("no data from the worker in time"))
 
 
 class _Connection(asyncio.Protocol):
@@ -169,6 +55,7 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.idle_since = 0.0
         self.deadline: asyncio.TimerHandle | None = None
+        self.head_deadline: asyncio.TimerHandle | None = None
 
     # ---- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -197,13 +84,18 @@ class _Connection(asyncio.Protocol):
         self._stop_deadline()
 
     # ---- the exchange ------------------------------------------------------------------------
-    def send(self, data: bytes, stream: bool, total: float | None) -> Response:
+    def send(self, data: bytes, stream: bool, total: float | None, head: float | None = None,
+             limit: int = NO_LIMIT) -> Response:
+        """Write one request; ``total`` bounds the whole answer, ``head`` its status line and
+        headers, ``limit`` the body when it is read whole."""
         loop = asyncio.get_running_loop()
-        resp = Response(self, loop.create_future(), stream)
+        resp = Response(self, loop.create_future(), stream, limit)
         self.response = resp
         self.state, self.buf, self.received = _HEAD, b"", False
         if total is not None:
             self.deadline = loop.call_later(total, self._on_deadline)
+        if head is not None and (total is None or head < total):
+            self.head_deadline = loop.call_later(head, self._on_head_deadline)
         assert self.transport is not None
         self.transport.write(data)
         return resp
@@ -212,10 +104,21 @@ class _Connection(asyncio.Protocol):
         self.deadline = None
         self._fail(TimeoutError("the worker's answer did not complete in time"))
 
+    def _on_head_deadline(self) -> None:
+        self.head_deadline = None
+        if self.state == _HEAD:
+            self._fail(TimeoutError("the worker sent no answer head in time"))
+
     def _stop_deadline(self) -> None:
         if self.deadline is not None:
             self.deadline.cancel()
             self.deadline = None
+        self._stop_head_deadline()
+
+    def _stop_head_deadline(self) -> None:
+        if self.head_deadline is not None:
+            self.head_deadline.cancel()
+            self.head_deadline = None
 
     def _fail(self, exc: BaseException) -> None:
         resp, self.response = self.response, None
@@ -276,7 +179,7 @@ class _Connection(asyncio.Protocol):
         buf = self.buf + data if self.buf else data
         while True:
             end = buf.find(b"\r\n\r\n")
-            if end < 0:
+            if end < 0 or end > MAX_HEAD:
                 if len(buf) > MAX_HEAD:
                     raise UpstreamProtocolError("response head too large")
                 self.buf = buf
@@ -291,12 +194,13 @@ class _Connection(asyncio.Protocol):
                 continue  # an interim answer (103 Early Hints, ...): the real one follows
             break
         self.buf = b""
+        self._stop_head_deadline()
         resp = self.response
         assert resp is not None
         headers: dict[str, str] = {}
         for line in lines[1:]:
             name, sep, value = line.partition(b":")
-            if not sep:
+            if not sep or any(bad in line for bad in BAD_IN_HEAD):
                 raise UpstreamProtocolError(f"bad header line {line[:80]!r}")
             key = name.strip().lower().decode("latin-1")
             text = value.strip().decode("latin-1")
@@ -331,13 +235,10 @@ class _Connection(asyncio.Protocol):
                     if n - pos > MAX_CHUNK_LINE:
                         raise UpstreamProtocolError("chunk-size line too long")
                     break
-                size_text = buf[pos:end].partition(b";")[0].strip()
-                try:
-                    size = int(size_text, 16)
-                except ValueError:
-                    raise UpstreamProtocolError(f"bad chunk size {size_text[:20]!r}") from None
-                if size < 0:
-                    raise UpstreamProtocolError("negative chunk size")
+                size_text = buf[pos:end].partition(b";")[0].rstrip(b" \t")
+                if not size_text or not HEX_DIGITS.issuperset(size_text) or len(size_text) > 16:
+                    raise UpstreamProtocolError(f"bad chunk size {size_text[:20]!r}")
+                size = int(size_text, 16)
                 pos = end + 2
                 if size == 0:
                     self.state = _TRAILER
@@ -396,8 +297,9 @@ class Http1Pool:
     """Keep-alive connections per worker and the POST that uses them."""
 
     def __init__(self, headers: dict[str, str] | None = None, keepalive_secs: float = 4.0,
-                 max_idle_per_origin: int = 256) -> None:
+                 max_idle_per_origin: int = 256, max_answer_bytes: int = NO_LIMIT) -> None:
         self.extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        self.max_answer_bytes = max_answer_bytes
         self.keepalive_secs = keepalive_secs
         self.max_idle = max_idle_per_origin
         self._origins: dict[str, Origin] = {}
@@ -416,8 +318,13 @@ class Http1Pool:
 
     async def post(self, url: str, path: str, payload: bytes, *, stream: bool = False,
                    connect_timeout: float | None = None,
-                   total_timeout: float | None = None) -> Response:
-        """POST ``payload`` (JSON) to ``url + path``; returns once the answer's head is in."""
+                   total_timeout: float | None = None,
+                   head_timeout: float | None = None) -> Response:
+        """POST ``payload`` (JSON) to ``url + path``; returns once the answer's head is in.
+
+        ``total_timeout`` bounds the whole exchange, ``head_timeout`` the wait for the answer's
+        head once the request is written; an answer read whole may not exceed the pool's
+        ``max_answer_bytes`` (``UpstreamTooLarge``)."""
         origin = self.origin(url)
         head = origin.heads.get(path)
         if head is None:
@@ -432,18 +339,19 @@ class Http1Pool:
         conn = self._reuse(origin)
         if conn is not None:
             try:
-                return await self._exchange(conn, data, stream, deadline, loop)
+                return await self._exchange(conn, data, stream, deadline, head_timeout, loop)
             except UpstreamClosed:
                 if conn.received:
                     raise
                 # the worker dropped an idle connection as it was reused: once more, on a new one
         conn = await self._connect(origin, connect_timeout, deadline, loop)
-        return await self._exchange(conn, data, stream, deadline, loop)
+        return await self._exchange(conn, data, stream, deadline, head_timeout, loop)
 
     async def _exchange(self, conn: _Connection, data: bytes, stream: bool,
-                        deadline: float | None, loop: asyncio.AbstractEventLoop) -> Response:
+                        deadline: float | None, head_timeout: float | None,
+                        loop: asyncio.AbstractEventLoop) -> Response:
         total = None if deadline is None else max(0.0, deadline - loop.time())
-        resp = conn.send(data, stream, total)
+        resp = conn.send(data, stream, total, head_timeout, self.max_answer_bytes)
         try:
             await resp._head
         except BaseException:

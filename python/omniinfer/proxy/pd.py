@@ -19,7 +19,7 @@ from aiohttp import web
 
 from omniinfer.proxy.accuracy import reported_cached_tokens
 from omniinfer.proxy.base import Decision
-from omniinfer.proxy.http1 import Response
+from omniinfer.proxy.http1_response import Response
 from omniinfer.proxy.lifecycle import Phase
 from omniinfer.proxy.upstream import (
     UPSTREAM_PATHS,
@@ -203,7 +203,8 @@ def _check_prefill(p: Worker, prefill: PrefillTask, decode: asyncio.Future[Any])
         status, data = prefill.result()
         raise Passthrough(web.Response(status=status, body=data, content_type="application/json"))
     if isinstance(exc, UpstreamFailure):
-        raise UpstreamFailure(p, exc.kind, f"prefill failed: {exc}")
+        raise UpstreamFailure(p, exc.kind, f"prefill failed: {exc}", exc.retryable,
+                              f"prefill failed: {exc.summary}")
     raise UpstreamFailure(p, "prefill", f"prefill failed: {exc!r}")
 
 

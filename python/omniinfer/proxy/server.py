@@ -48,7 +48,7 @@ async def _from_worker(request: web.Request, path: str) -> web.Response:
     for worker in router.pool.candidates(role, asyncio.get_running_loop().time()) or \
             router.pool.role(role):
         try:
-            async with router.session.get(worker.url + path,
+            async with router.session.get(worker.url + path, headers=router.session_headers,
                                           timeout=aiohttp.ClientTimeout(total=10.0)) as resp:
                 return web.Response(status=resp.status if resp.status < 500 else 502,
                                     body=await resp.read(),
@@ -177,29 +177,37 @@ async def list_workers(request: web.Request) -> web.Response:
     return _json(_router(request).describe())
 
 
+async def _expect(request: web.Request) -> None:
+    """``Expect: 100-continue`` is answered as aiohttp does; any other expectation gets a JSON
+    417 (aiohttp's own is plain text and never reaches the JSON middleware)."""
+    expect = request.headers.get("Expect", "")
+    if request.version != aiohttp.HttpVersion11:
+        return
+    if expect.lower() != "100-continue":
+        raise web.HTTPExpectationFailed(body=orjson.dumps({"error": {
+            "message": "only 'Expect: 100-continue' is supported",
+            "type": "invalid_request_error", "code": 417}}), content_type="application/json")
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the answer proper has not started
+
+
 def build_app(router: Router) -> web.Application:
     c = router.config
     guard = Guard(c.api_key, c.control_plane_api_keys, c.control_plane_audit_enabled)
     app = web.Application(client_max_size=c.max_payload_size,
                           middlewares=[json_errors, guard.middleware])
     app[ROUTER_KEY] = router
-    app.router.add_post("/generate", _inference("generate"))
-    app.router.add_post("/v1/completions", _inference("completions"))
-    app.router.add_post("/v1/chat/completions", _inference("chat"))
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/model_info", model_info)
-    app.router.add_get("/get_model_info", model_info)
-    app.router.add_get("/server_info", server_info)
-    app.router.add_get("/get_server_info", server_info)
-    app.router.add_get("/health", health)
-    app.router.add_get("/readiness", health)
-    app.router.add_get("/liveness", liveness)
-    app.router.add_get("/health_generate", health_generate)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_post("/flush_cache", flush_cache)
-    app.router.add_post("/add_worker", add_worker)
-    app.router.add_post("/remove_worker", remove_worker)
-    app.router.add_get("/list_workers", list_workers)
+    posts = {"/generate": _inference("generate"), "/v1/completions": _inference("completions"),
+             "/v1/chat/completions": _inference("chat"), "/flush_cache": flush_cache,
+             "/add_worker": add_worker, "/remove_worker": remove_worker}
+    gets = {"/v1/models": models, "/model_info": model_info, "/get_model_info": model_info,
+            "/server_info": server_info, "/get_server_info": server_info, "/health": health,
+            "/readiness": health, "/liveness": liveness, "/health_generate": health_generate,
+            "/metrics": metrics, "/list_workers": list_workers}
+    for path, route in posts.items():
+        app.router.add_post(path, route, expect_handler=_expect)
+    for path, route in gets.items():
+        app.router.add_get(path, route, expect_handler=_expect)
     return app
 
 
@@ -229,14 +237,15 @@ async def open_router(config: RouterConfig) -> Serving:
                            keepalive_timeout=config.client_header_timeout_secs * 2)
     await runner.setup()
     assert runner.server is not None
-    listener = Listener(runner.server, config.max_connections, config.client_header_timeout_secs)
+    listener = Listener(runner.server, config.max_connections, config.client_header_timeout_secs,
+                        config.client_write_timeout_secs)
     router.listener = listener
     await listener.start(config.host, config.port)
     extra = None
     if config.prometheus_port:
         metrics_app = web.Application(middlewares=[json_errors])
         metrics_app[ROUTER_KEY] = router
-        metrics_app.router.add_get("/metrics", metrics)
+        metrics_app.router.add_get("/metrics", metrics, expect_handler=_expect)
         extra = web.AppRunner(metrics_app, access_log=None)
         await extra.setup()
         await web.TCPSite(extra, config.prometheus_host or config.host,

@@ -12,6 +12,8 @@ import abc
 import struct
 from typing import Any
 
+import orjson
+
 DEFAULT_OUTPUT_TOKENS = 128
 
 
@@ -129,6 +131,24 @@ def prompt_tokens(endpoint: str, body: dict[str, Any], tokenizer: Tokenizer) -> 
     if body.get("input_embeds") is not None:
         return [[]]
     raise BadRequest("one of 'text' or 'input_ids' is required")
+
+
+def parse_body(endpoint: str, raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object the router can forward, or BadRequest (the message
+    names what is wrong)."""
+    try:
+        body = orjson.loads(raw)
+        orjson.dumps(body)  # what cannot be re-encoded for the workers is refused now
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"body is not valid JSON: {exc}") from None
+    except (TypeError, orjson.JSONEncodeError) as exc:
+        raise BadRequest(f"body cannot be forwarded: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object")
+    if not isinstance(body.get("stream", False), bool):
+        raise BadRequest("'stream' must be true or false")
+    check_limits(endpoint, body)
+    return body
 
 
 def _limit(value: Any, field: str) -> None:

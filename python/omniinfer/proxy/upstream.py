@@ -3,7 +3,9 @@
 Timeouts, so that no worker can hold a slot forever: connect (``--upstream-connect-timeout-
 secs``), the first event of a stream (``--upstream-first-byte-timeout-secs``), each later read of
 a stream (``--upstream-idle-timeout-secs``), and sglang_router's ``--request-timeout-secs`` as the
-total of one attempt (a non-streamed answer comes whole, so only the total bounds it). Failures
+total of one attempt (a non-streamed answer comes whole, so only the total bounds it); a stream's
+answer head is due within the first-byte timeout too. A non-streamed answer larger than
+``--max-response-size`` fails the attempt without a retry (it would be as large elsewhere). Failures
 before any byte reached the client raise ``UpstreamFailure`` (the caller may retry elsewhere); a
 worker's own 4xx raises ``Passthrough`` and goes to the client as is.
 """
@@ -19,7 +21,7 @@ import orjson
 from aiohttp import web
 
 from omniinfer.proxy.base import RouteRequest
-from omniinfer.proxy.http1 import Response
+from omniinfer.proxy.http1_response import Response, UpstreamTooLarge
 from omniinfer.proxy.lifecycle import Lifecycle
 from omniinfer.proxy.workers import Worker
 
@@ -34,11 +36,13 @@ UPSTREAM_PATHS = {"generate": "/generate", "completions": "/v1/completions",
 class UpstreamFailure(Exception):
     """An attempt failed before any byte reached the client (so it may be retried)."""
 
-    def __init__(self, worker: Worker, kind: str, message: str, retryable: bool = True) -> None:
+    def __init__(self, worker: Worker, kind: str, message: str, retryable: bool = True,
+                 summary: str | None = None) -> None:
         super().__init__(message)
         self.worker = worker
         self.kind = kind
         self.retryable = retryable
+        self.summary = summary or kind  # what a client may read: no URL, no worker text
 
 
 class Passthrough(Exception):
@@ -89,7 +93,9 @@ async def post(router: Router, worker: Worker, path: str, payload: bytes,
     try:
         resp = await router.http.post(worker.url, path, payload, stream=stream,
                                       connect_timeout=c.upstream_connect_timeout_secs,
-                                      total_timeout=c.request_timeout_secs)
+                                      total_timeout=c.request_timeout_secs,
+                                      head_timeout=c.upstream_first_byte_timeout_secs
+                                      if stream else None)
     except UPSTREAM_ERRORS as exc:
         raise _failure(worker, "connect", exc) from None
     if resp.status >= 500:
@@ -99,7 +105,8 @@ async def post(router: Router, worker: Worker, path: str, payload: bytes,
             text = ""
         finally:
             resp.release()
-        raise UpstreamFailure(worker, "status", f"HTTP {resp.status} {text}")
+        raise UpstreamFailure(worker, "status", f"HTTP {resp.status} {text}",
+                              summary=f"HTTP {resp.status}")
     if resp.status != 200:
         try:
             data = await resp.read()
@@ -131,6 +138,9 @@ async def first_chunk(router: Router, resp: Response, worker: Worker) -> bytes:
 async def read_all(resp: Response, worker: Worker) -> bytes:
     try:
         return await resp.read()
+    except UpstreamTooLarge as exc:
+        raise UpstreamFailure(worker, "too_large", str(exc), retryable=False,
+                              summary="the answer is larger than --max-response-size") from None
     except UPSTREAM_ERRORS as exc:
         raise _failure(worker, "read", exc) from None
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import ipaddress
 from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlsplit
@@ -102,11 +103,14 @@ class Worker:
 
 
 def normalize_url(url: str) -> str:
-    """``scheme://host[:port]`` of a worker, or ValueError.
+    """The canonical ``scheme://host[:port]`` of a worker, or ValueError.
 
     Only http/https with a host and a valid port; no path, query, fragment or userinfo: the
     router appends SGLang's paths itself, and relays some answers, so a URL that names anything
-    else would let whoever registers it read or write elsewhere.
+    else would let whoever registers it read or write elsewhere. Spellings of one address give
+    one URL (scheme and host in lower case, ``localhost`` and IPv4-mapped IPv6 as the IPv4
+    address, IPv6 compressed, the port without leading zeros, the scheme's default port left
+    out), so one worker cannot be registered twice and get two shares of the traffic.
     """
     if not isinstance(url, str):
         raise ValueError("a worker URL must be a string")
@@ -126,7 +130,22 @@ def normalize_url(url: str) -> str:
         raise ValueError(f"not a worker URL: {url!r} (no user information)")
     if port == 0 or any(c.isspace() or ord(c) < 32 for c in url):
         raise ValueError(f"not a worker URL: {url!r}")
-    return url
+    host = _canonical_host(parts.hostname)
+    default = 443 if parts.scheme == "https" else 80
+    return f"{parts.scheme}://{host}" + ("" if port in (None, default) else f":{port}")
+
+
+def _canonical_host(host: str) -> str:
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host  # a name (already lower case)
+    mapped = getattr(address, "ipv4_mapped", None)
+    if mapped is not None:
+        return str(mapped)
+    return f"[{address.compressed}]" if address.version == 6 else str(address)
 
 
 class WorkerPool:
