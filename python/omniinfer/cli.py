@@ -18,6 +18,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "omniinfer.emulator.cli",
     "omniinfer.proxy.cli",
     "omniinfer.attn.cli",
+    "omniinfer.deploy.cli",
 )
 
 

@@ -251,3 +251,23 @@ def shared_prefix_swa_ratio(
     swa = prefixes * min(prefix_len, sink + sglang_window(recent)) + requests * min(
         own_tokens, sink + recent + interval)
     return round(min(1.0, swa / full), 4)
+
+
+def transfer_sink_span(prefix_len: int, seq_len: int, window_size: int, sink: int,
+                       page_size: int) -> tuple[int, int]:
+    """Positions ``[lo, hi)`` of a compressed layer's sink that a PD transfer must add to
+    SGLang's window pages.
+
+    SGLang sends an SWA layer's pages from ``floor_page(max(prefix_len, seq_len - window))``
+    to ``seq_len`` (``window`` is SGLang's, :func:`sglang_window`); the sink is the first
+    ``sink`` tokens, whole pages. What lies below the window and inside the (page-rounded)
+    sink, and past what the decode side already holds (``prefix_len``, page-aligned), is
+    added; nothing when the window already covers the sink. Both sides compute the same span,
+    so their page lists stay the same length and match position by position.
+    """
+    if page_size < 1:
+        raise ValueError("page_size must be >= 1")
+    window_start = max(prefix_len, seq_len - window_size) // page_size * page_size
+    sink_end = -(-sink // page_size) * page_size
+    hi = min(sink_end, window_start, seq_len)
+    return (prefix_len, hi) if hi > prefix_len else (prefix_len, prefix_len)

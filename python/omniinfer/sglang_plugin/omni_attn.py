@@ -7,7 +7,8 @@ compressed layers are declared to SGLang as hybrid sliding-window layers through
 layers in the SWA sub-pool, with its own allocator and window eviction. Prefix reuse stays on,
 through ``--radix-cache-backend omni_attn`` (:mod:`omni_attn_radix`: SGLang's unified radix
 cache whose SWA component keeps every cached prefix's sink), unless the user passed
-``--disable-radix-cache``. PD disaggregation is refused (docs/omni_attn.md).
+``--disable-radix-cache``. Under PD disaggregation both servers take the pattern and the
+transfer carries each compressed layer's sink with its window (:mod:`omni_attn_pd`).
 
 Scheduler side (:func:`register`), all through HookRegistry:
 
@@ -127,11 +128,7 @@ def prepare_namespace(namespace: argparse.Namespace, config: OmniConfig) -> Patt
     if getattr(namespace, "speculative_algorithm", None):
         raise OmniFlagError("--omni-attn-pattern: speculative decoding is not supported")
     if getattr(namespace, "disaggregation_mode", None) not in (None, "null"):
-        raise OmniFlagError(
-            "--omni-attn-pattern: PD disaggregation is not supported (the KV transfer does not "
-            "carry the compressed layers' sink + recent slots); serve the pattern without "
-            "--disaggregation-mode"
-        )
+        _check_pd(namespace, page_size)
     raw = getattr(namespace, "json_model_override_args", None) or "{}"
     try:
         overrides = json.loads(raw)
@@ -162,6 +159,20 @@ def prepare_namespace(namespace: argparse.Namespace, config: OmniConfig) -> Patt
         list(pattern.compressed_layers), pattern.sink, pattern.recent,
     )
     return pattern
+
+
+def _check_pd(namespace: argparse.Namespace, page_size: int | None) -> None:
+    """What OmniAttn under PD supports (page size 1; no decode-side radix cache)."""
+    if page_size not in (None, 1):
+        raise OmniFlagError(
+            "--omni-attn-pattern: with --disaggregation-mode the compressed layers' sink is "
+            f"transferred at page size 1 only; got --page-size {page_size}"
+        )
+    if getattr(namespace, "disaggregation_decode_enable_radix_cache", False):
+        raise OmniFlagError(
+            "--omni-attn-pattern: --disaggregation-decode-enable-radix-cache does not keep the "
+            "compressed layers' sink on the decode server; drop it"
+        )
 
 
 def _choose_radix_cache(namespace: argparse.Namespace) -> None:
@@ -260,6 +271,11 @@ def _free_after_prefill(_result: Any, scheduler: Any, batch: Any, *_a: Any, **_k
     freeing here leaves each finished prefill holding only ``sink + window`` slots. Safe with
     the overlap scheduler too: the batch launched meanwhile is a decode that reads the window.
     """
+    if batch is not None and batch.forward_mode.is_prebuilt():
+        from omniinfer.sglang_plugin.omni_attn_pd import free_after_transfer
+
+        free_after_transfer(scheduler, batch)  # decode under PD: the KV just arrived
+        return
     if batch is None or not batch.forward_mode.is_extend() or batch.is_dllm():
         return
     cache = getattr(scheduler, "tree_cache", None)
@@ -297,7 +313,7 @@ def register(config: OmniConfig) -> None:
     """Worker-side hooks; the launcher already validated the pattern against the model."""
     from sglang.srt.plugins.hook_registry import HookType
 
-    from omniinfer.sglang_plugin import hooks, omni_attn_radix, omni_attn_triton
+    from omniinfer.sglang_plugin import hooks, omni_attn_pd, omni_attn_radix, omni_attn_triton
     from omniinfer.sglang_plugin.omni_attn_backend import CompressedAttention, around_forward
 
     assert config.omni_attn_pattern is not None
@@ -306,6 +322,7 @@ def register(config: OmniConfig) -> None:
     _State.attention = CompressedAttention(pattern.compressed_layers, pattern.sink, pattern.recent)
     omni_attn_triton.set_pattern(pattern.compressed_layers, pattern.sink, pattern.recent)
     omni_attn_radix.configure(pattern.sink)
+    omni_attn_pd.configure(pattern.sink, pattern.num_layers, len(pattern.compressed_layers))
     omni_attn_radix.register_backend()  # selected by the launcher's --radix-cache-backend
     wanted: list[tuple[str, Callable[..., Any], HookType]] = [
         (f"{TORCH_NATIVE}.forward_extend", around_forward(_State.attention, False), HookType.AROUND),
@@ -323,6 +340,8 @@ def register(config: OmniConfig) -> None:
         (MAYBE_EVICT_SWA, _refresh_status, HookType.AFTER),
         (SCHEDULER_IDLE, _refresh_status, HookType.AFTER),
         (SCHEDULER_INIT, _after_scheduler_init, HookType.AFTER),
+        (omni_attn_pd.SEND_KV_CHUNK, omni_attn_pd.around_send_kv_chunk, HookType.AROUND),
+        (omni_attn_pd.SEND_KV_METADATA, omni_attn_pd.around_send_kv_metadata, HookType.AROUND),
     ]
     for target, hook, kind in wanted:
         hooks.register(target, hook, kind, "OmniAttn sink + recent KV")

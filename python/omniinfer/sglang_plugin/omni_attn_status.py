@@ -90,14 +90,24 @@ class AttnStatus:
             "usage": {
                 "full_tokens_free": int(self.allocator.full_available_size()),
                 "compressed_tokens_free": int(self.allocator.swa_available_size()),
+                "compressed_tokens_used": int(self.allocator.size_swa)
+                - int(self.allocator.swa_available_size()),
             },
             "tokens_freed": self.tokens_freed,
             "free_events": self.freed_events,
             "compressed_keys_read": getattr(attention, "keys_read", 0),
             "compressed_keys_full_attention": getattr(attention, "keys_full", 0),
             "radix": self._radix(),
+            "pd_transfer": self._transfer(),
             "updated": time.time(),
         }
+
+    def _transfer(self) -> dict[str, Any] | None:
+        """What a prefill server sent to decode servers (None unless it is one)."""
+        from omniinfer.sglang_plugin import omni_attn_pd
+
+        meter = omni_attn_pd.meter()
+        return meter.describe() if meter.requests or meter.tokens else None
 
     def _radix(self) -> dict[str, Any] | None:
         """The prefix cache: which classes run, its ledger and what the sink rules did."""

@@ -1,0 +1,3 @@
+"""One file describes a PD deployment (``spec.py``); ``omniinfer deploy FILE`` starts it on this
+machine (``local.py``) or renders it for others (``render.py``: command lines, LeaderWorkerSet or
+RoleBasedGroup manifests), with the same server command lines (``commands.py``)."""
