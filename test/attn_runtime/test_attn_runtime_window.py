@@ -118,3 +118,23 @@ def test_shared_prefix_ratio_fills_both_pools_together() -> None:
     assert shared_prefix_swa_ratio(1, 10, 1, 10, 128, 384) == 1.0
     with pytest.raises(ValueError):
         shared_prefix_swa_ratio(0, 1500, 24, 126, 128, 384)
+
+
+def test_transfer_sink_span_adds_the_sink_below_the_window_only() -> None:
+    from omniinfer.attn.runtime_window import transfer_sink_span
+
+    # a 2K prompt, window 383 (recent 384), sink 128: the sink is below the window
+    assert transfer_sink_span(0, 2048, 383, 128, 1) == (0, 128)
+    # short prompt: the window starts at 17, only what lies below it is added
+    assert transfer_sink_span(0, 400, 383, 128, 1) == (0, 17)
+    # the window covers everything: nothing to add
+    assert transfer_sink_span(0, 300, 383, 128, 1) == (0, 0)
+    # the decode side already holds a prefix past the sink: nothing to add
+    assert transfer_sink_span(256, 2048, 383, 128, 1) == (256, 256)
+    # paged: the sink rounds up to whole pages, the window start down
+    assert transfer_sink_span(0, 2048, 383, 100, 64) == (0, 128)
+    assert transfer_sink_span(0, 500, 383, 100, 64) == (0, 64)  # window starts at page 64
+    for prefix, seq, window, sink, page in [(0, 5000, 255, 64, 16), (32, 900, 127, 48, 16)]:
+        lo, hi = transfer_sink_span(prefix, seq, window, sink, page)
+        window_start = max(prefix, seq - window) // page * page
+        assert lo == prefix and hi <= window_start and hi % page == 0 or hi == lo

@@ -299,3 +299,29 @@ def test_malformed_requests_get_one_json_answer(raw: bytes) -> None:
             assert 400 <= status < 500 and headers["content-type"].startswith("application/json")
             assert answer["error"]["code"] == status
     run(main())
+
+
+def test_a_kept_alive_connection_outlives_a_short_head_timeout() -> None:
+    """Idle keep-alive was twice the head timeout: with a 1 s head timeout a client reusing
+    its connection after 2 s lost its POST (found by the 20-minute soak)."""
+    async def main() -> None:
+        async with router_for([ScriptedWorker({"/generate": _small_answer})],
+                              client_header_timeout_secs=1.0) as (base, serving):
+            reader, writer = await asyncio.open_connection("127.0.0.1",
+                                                           serving.router.config.port)
+            request = (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                       b"\r\nContent-Length: 13\r\n\r\n{\"text\": \"a\"}")
+            for _ in range(2):
+                writer.write(request)
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                assert head.startswith(b"HTTP/1.1 200")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                await asyncio.sleep(2.5)  # idle past the old keep-alive, then reuse
+            writer.close()
+    run(main())
+
+
+async def _small_answer(request: web.Request) -> web.Response:
+    await request.read()
+    return web.json_response({"text": "ok"})

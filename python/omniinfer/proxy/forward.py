@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from typing import Any
 
@@ -25,10 +24,12 @@ from omniinfer.proxy.accuracy import (
     reported_from_stream,
 )
 from omniinfer.proxy.admission import Rejected
+from omniinfer.proxy.attempts import backoff, decided, no_worker, note_prediction
 from omniinfer.proxy.auth import error_response
-from omniinfer.proxy.base import Decision, RouteRequest
+from omniinfer.proxy.base import RouteRequest
 from omniinfer.proxy.core import Router
 from omniinfer.proxy.lifecycle import Lifecycle, Phase
+from omniinfer.proxy.pd import pd
 from omniinfer.proxy.prefix import block_hashes
 from omniinfer.proxy.tokenization import BadRequest, output_budget, parse_body, prompt_tokens
 from omniinfer.proxy.upstream import (
@@ -42,7 +43,7 @@ from omniinfer.proxy.upstream import (
     post,
     read_all,
 )
-from omniinfer.proxy.workers import Role, Worker
+from omniinfer.proxy.workers import Role
 
 log = logging.getLogger("omniinfer.proxy")
 INLINE_TOKENIZE_BYTES = 16384  # smaller bodies are tokenized on the loop (cheaper than a hop)
@@ -166,8 +167,6 @@ async def _prepare(router: Router, request: web.Request, endpoint: str, life: Li
 
 
 async def _admitted(router: Router, request: web.Request, ex: Exchange) -> web.StreamResponse:
-    from omniinfer.proxy.pd import pd
-
     ex.life.enter(Phase.PREFILL_WAITING)
     await router.admission.acquire()
     try:
@@ -176,43 +175,6 @@ async def _admitted(router: Router, request: web.Request, ex: Exchange) -> web.S
         return await _regular(router, request, ex)
     finally:
         router.admission.release()
-
-
-def decided(router: Router, role: Role, ex: Exchange, decision: Decision, attempt: int) -> None:
-    policy = router.policies[role]
-    router.metrics.decision(policy.name, role.value, decision.reason)
-    ex.record.setdefault("decisions", []).append(
-        {"role": role.value, "worker": decision.worker.url, "reason": decision.reason,
-         "policy": policy.name, "attempt": attempt,
-         "cached_tokens": ex.route.cached_tokens(decision.worker)})
-
-
-async def backoff(router: Router, attempt: int) -> None:
-    c = router.config
-    delay = min(c.retry_max_backoff_ms, c.retry_initial_backoff_ms
-                * c.retry_backoff_multiplier ** attempt) / 1000.0
-    delay *= 1.0 + c.retry_jitter_factor * (2 * random.random() - 1)
-    await asyncio.sleep(max(0.0, delay))
-
-
-def no_worker(failure: UpstreamFailure | None) -> web.Response:
-    """The answer when no attempt succeeded; the worker's URL and text stay in the log."""
-    if failure is None:
-        return error_response(503, "no healthy worker available", "unavailable", retry_after=1)
-    log.warning("request failed: %s: %s", failure.worker.url, failure)
-    return error_response(502, f"the upstream worker failed ({failure.summary})",
-                          "upstream_error")
-
-
-def note_prediction(router: Router, ex: Exchange, worker: Worker, reported: int | None) -> None:
-    """Predicted vs reported cached tokens of the worker that served a single prompt."""
-    if ex.batch != 1:
-        return  # the prediction is for the first prompt of a batch only
-    predicted = ex.route.cached_tokens(worker)
-    if reported is not None:
-        ex.record["reported_cached_tokens"] = reported
-    ex.record["cache_prediction"] = router.metrics.observe_prediction(
-        router.cache_truth.label(worker), predicted, reported, ex.route.block_size)
 
 
 async def _regular(router: Router, request: web.Request, ex: Exchange) -> web.StreamResponse:

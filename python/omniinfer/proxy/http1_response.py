@@ -10,10 +10,19 @@ reader catches up; an answer read whole may not grow past its ``limit`` (the rou
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from omniinfer.proxy.http1 import _Connection
+
+class _Connection(Protocol):
+    """What an answer needs of the connection that feeds it (``http1._Connection``)."""
+
+    paused: bool
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def close(self) -> None: ...
 
 PAUSE_ABOVE = 1 << 20  # a stream buffered past this pauses reading until the reader catches up
 NO_LIMIT = 1 << 62

@@ -18,6 +18,7 @@ import orjson
 from aiohttp import web
 
 from omniinfer.proxy.accuracy import reported_cached_tokens
+from omniinfer.proxy.attempts import backoff, decided, no_worker, note_prediction
 from omniinfer.proxy.base import Decision
 from omniinfer.proxy.http1_response import Response
 from omniinfer.proxy.lifecycle import Phase
@@ -43,8 +44,6 @@ PrefillTask = asyncio.Task[tuple[int, bytes]]
 async def _prefill(router: Router, ex: Exchange, worker: Worker, path: str, payload: bytes,
                    posted: float) -> tuple[int, bytes]:
     """Run the prefill request to completion; (status, body); transport errors raise."""
-    from omniinfer.proxy.forward import note_prediction
-
     try:
         resp = await post(router, worker, path, payload, stream=False)
     except Passthrough as p:
@@ -95,8 +94,6 @@ async def _decide(router: Router, ex: Exchange, decode_route: Any, prefills: lis
 
 
 async def pd(router: Router, request: web.Request, ex: Exchange) -> web.StreamResponse:
-    from omniinfer.proxy.forward import backoff, decided, no_worker
-
     c = router.config
     path = UPSTREAM_PATHS[ex.endpoint]
     tried_p: list[Worker] = []

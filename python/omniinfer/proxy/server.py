@@ -23,6 +23,7 @@ from omniinfer.proxy.workers import Role
 log = logging.getLogger("omniinfer.proxy")
 ROUTER_KEY = web.AppKey("router", Router)
 MAX_ADMIN_BODY = 64 * 1024
+KEEPALIVE_S = 75.0
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -233,8 +234,11 @@ async def open_router(config: RouterConfig) -> Serving:
     await router.start()
     gc.collect()
     gc.freeze()  # what start-up built lives as long as the router: no collection rescans it
+    # idle kept-alive client connections close after 75 s (aiohttp's and nginx's default), well
+    # past the keep-alive clients assume (aiohttp's client 15 s, httpx 5 s): a shorter one races
+    # a client reusing the connection as it closes (its POST body cannot be written)
     runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None,
-                           keepalive_timeout=config.client_header_timeout_secs * 2)
+                           keepalive_timeout=max(KEEPALIVE_S, config.client_header_timeout_secs))
     await runner.setup()
     assert runner.server is not None
     listener = Listener(runner.server, config.max_connections, config.client_header_timeout_secs,

@@ -299,7 +299,7 @@ def _refresh_status(_result: Any, _batch: Any, *_a: Any, **_k: Any) -> None:
 
 def _after_scheduler_init(_result: Any, scheduler: Any, *_a: Any, **_k: Any) -> None:
     from omniinfer.sglang_plugin.omni_attn_status import AttnStatus
-    from omniinfer.sglang_plugin.worker import tp_rank
+    from omniinfer.sglang_plugin.ranks import tp_rank
 
     assert _State.pattern is not None
     _State.status = AttnStatus.from_scheduler(

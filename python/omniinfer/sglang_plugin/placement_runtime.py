@@ -69,14 +69,17 @@ class PlacementController:
 
     def __init__(self, manager: Any, config: OmniConfig) -> None:
         from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
-        from sglang.srt.runtime_context import get_parallel
+
+        from omniinfer.sglang_plugin.ranks import tp_rank
 
         self.config = config
         self.model = manager._get_model()
         self.model_config = manager._model_config
         self.metadata = get_global_expert_location_metadata()
         self.num_ranks = int(self.metadata.ep_size)
-        self.rank = int(get_parallel().tp_rank) % self.num_ranks
+        rank = tp_rank()
+        assert rank is not None, "the placement runtime runs inside a scheduler"
+        self.rank = rank % self.num_ranks
         self.weights = self.model.routed_experts_weights_of_layer
         self.moe_layers = sorted(int(k) for k in self.weights.keys())
         self.num_experts = int(self.metadata.num_logical_experts)

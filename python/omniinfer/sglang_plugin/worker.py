@@ -9,20 +9,11 @@ from sglang.srt.plugins.hook_registry import HookType
 
 from omniinfer.flags import current_config
 from omniinfer.sglang_plugin import hooks
+from omniinfer.sglang_plugin.ranks import tp_rank
 
 logger = logging.getLogger("omniinfer")
 
 SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
-
-
-def tp_rank() -> int | None:
-    """This scheduler's tensor-parallel rank, from SGLang's runtime context."""
-    try:
-        from sglang.srt.runtime_context import get_parallel
-
-        return int(get_parallel().tp_rank)
-    except Exception:  # the context is not published outside a scheduler
-        return None
 
 
 def _after_scheduler_init(_result: Any, scheduler: Any, *_a: Any, **_k: Any) -> None:
