@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The deployment this project is for, on the embedded default model: one prefill and one decode
-# real SGLang server on this CPU (SmolLM2-135M, the omniinfer plugin, KV over Mooncake TCP),
-# OmniProxy with OAS in front in PD mode, one chat answer, a short closed-loop benchmark table;
-# every process it starts is stopped at the end. Extra arguments go to `python -m omniinfer.demo`.
+# real SGLang server on this CPU (SmolLM2-135M, the omniinfer plugin, the OmniAttn pattern on
+# both, KV over Mooncake TCP), OmniProxy with OAS in front in PD mode, one chat answer, a short
+# closed-loop benchmark table and a line per technique; then OmniPlacement under PD on a Qwen3-MoE
+# pair with expert parallelism. Every process it starts is stopped at the end. Extra arguments go
+# to `python -m omniinfer.demo` (--pattern none, --no-placement).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"

@@ -26,3 +26,13 @@ def test_demo_answers_and_prints_benchmark_table(tmp_path: Path) -> None:
     assert (tmp_path / "bench-summary.json").is_file()
     assert "[demo] servers and router stopped" in result.stdout
     assert "OmniProxy (oas, PD mode) in front" in result.stdout
+    lines = result.stdout.splitlines()
+    attn = next(line for line in lines if line.startswith("[demo] OmniAttn (decode server):"))
+    assert "16 of 30 layers compressed" in attn
+    sent = next(line for line in lines if line.startswith("[demo] OmniAttn (PD transfer):"))
+    assert "% saved" in sent
+    oas = next(line for line in lines if line.startswith("[demo] OmniProxy (OAS) decisions"))
+    assert "prefill:" in oas and "decode:" in oas
+    placement = next(line for line in lines
+                     if line.startswith("[demo] OmniPlacement (decode server):"))
+    assert int(placement.split(", ")[1].split()[0]) >= 1, placement  # migrations adopted

@@ -1,7 +1,12 @@
 """The end-to-end demo: the deployment this project is for, on this CPU.
 
 One prefill and one decode real SGLang server with the plugin (KV over Mooncake's TCP transport),
-OmniProxy with OAS in front of them in PD mode, one chat answer, then a closed-loop benchmark.
+both with the OmniAttn pattern, OmniProxy with OAS in front of them in PD mode: one chat answer,
+a closed-loop benchmark, and a line per technique (the decode server's compressed KV, the
+transferred bytes saved, OAS's routing decisions). Then OmniPlacement under PD: a Qwen3-MoE
+prefill and decode pair with expert parallelism over two ranks each and the placement controller
+on (a tiny random model: SmolLM2's attention does not split over two ranks on the CPU engine),
+with its layers' imbalance before and after and the migrations adopted.
 
 Every process it starts runs in one process group that is stopped on exit, also on Ctrl-C.
 """
@@ -23,6 +28,7 @@ from omniinfer.bench.workloads import WorkloadSpec, text_corpus
 from omniinfer.launch_pd import pd_server, router_args, started
 from omniinfer.proxy.process import RouterProcess
 
+PATTERN = Path(__file__).resolve().parent / "attn" / "patterns" / "smollm2-135m.json"
 QUESTION = "What is the capital of France? Answer in one short sentence."
 
 
@@ -58,11 +64,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--max-total-tokens", type=int, default=16384)
     parser.add_argument("--policy", default="oas", help="OmniProxy prefill and decode policy")
+    parser.add_argument("--pattern", type=Path, default=PATTERN,
+                        help="OmniAttn pattern of both servers ('none': no pattern)")
+    parser.add_argument("--no-placement", action="store_true",
+                        help="skip the OmniPlacement stage")
     args = parser.parse_args(argv)
 
     logs = args.output_dir
-    servers = [pd_server(args.model, "prefill", logs, args.max_total_tokens),
-               pd_server(args.model, "decode", logs, args.max_total_tokens)]
+    omni = [] if str(args.pattern) == "none" else ["--omni-attn-pattern", str(args.pattern)]
+    servers = [pd_server(args.model, "prefill", logs, args.max_total_tokens, omni),
+               pd_server(args.model, "decode", logs, args.max_total_tokens, omni)]
     print(f"[demo] starting one prefill and one decode SGLang server on {args.model.name} "
           f"(CPU engine, plugin loaded, KV over Mooncake TCP); logs in {logs}")
     began = time.monotonic()
@@ -79,7 +90,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[demo] OmniProxy ({args.policy}, PD mode) in front of them at "
                   f"{router.base_url}; log: {router_log}")
             failed = _ask_and_benchmark(router.base_url, args)
+            from omniinfer.demo_report import attn_lines, oas_lines
+
+            for line in [*attn_lines(prefill.base_url, decode.base_url),
+                         *oas_lines(router.base_url)]:
+                print(f"[demo] {line}")
     print("[demo] servers and router stopped")
+    if not args.no_placement:
+        from omniinfer.demo_report import placement_stage
+
+        for line in placement_stage(logs, args.policy):
+            print(f"[demo] {line}")
     return 1 if failed else 0
 
 
