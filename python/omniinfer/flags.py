@@ -36,6 +36,14 @@ def _existing_json_file(flag: str, value: Any) -> None:
         raise OmniFlagError(f"{flag}: {value} must hold a JSON object")
 
 
+def _known_predictor(flag: str, value: Any) -> None:
+    from omniinfer.placement.dynamic import PREDICTORS  # the planner's registry (NumPy only)
+
+    if value not in PREDICTORS:
+        raise OmniFlagError(f"{flag}: unknown predictor {value!r} (one of "
+                            f"{', '.join(sorted(PREDICTORS))})")
+
+
 def _at_least(bound: float, inclusive: bool = True) -> Callable[[str, Any], None]:
     def check(flag: str, value: Any) -> None:
         ok = value >= bound if inclusive else value > bound
@@ -72,23 +80,31 @@ OMNI_FLAGS: tuple[OmniFlag, ...] = (
     OmniFlag(
         "omni_placement_trigger",
         float,
-        1.1,
+        1.05,
         "OmniPlacement: re-plan a layer when its imbalance max/mean device load exceeds this.",
         _at_least(1.0),
     ),
     OmniFlag(
         "omni_placement_margin",
         float,
-        0.05,
+        0.01,
         "OmniPlacement: adopt a new layout only if it lowers the imbalance by more than this.",
         _at_least(0.0),
     ),
     OmniFlag(
+        "omni_placement_predictor",
+        str,
+        "ema-shift",
+        "OmniPlacement: how the next window's activations are predicted (ema-shift: a damped "
+        "trend that restarts on a regime shift; also ema, ema-trend, window, last).",
+        _known_predictor,
+    ),
+    OmniFlag(
         "omni_placement_window",
         int,
-        10,
-        "OmniPlacement: span N of the moving average that predicts the next window's "
-        "activations (weight 2/(N+1) on the newest window, as an N-window EMA).",
+        None,
+        "OmniPlacement: span N of the predictor's moving average (weight 2/(N+1) on the newest "
+        "window); default: the predictor's own (0.3 on the newest window).",
         _at_least(1),
     ),
     OmniFlag(
@@ -130,9 +146,11 @@ class OmniConfig:
     """The omni values of one server, as every SGLang process sees them."""
 
     enable_omni_placement: bool = False
-    omni_placement_trigger: float = 1.1
-    omni_placement_margin: float = 0.05
-    omni_placement_window: int = 10
+    # the planner settings docs/benchmarks.md measured (placement.dynamic.DynamicConfig)
+    omni_placement_trigger: float = 1.05
+    omni_placement_margin: float = 0.01
+    omni_placement_predictor: str = "ema-shift"
+    omni_placement_window: int | None = None
     omni_placement_interval: int = 100
     omni_placement_plan: str | None = None
     omni_attn_pattern: str | None = None

@@ -64,6 +64,15 @@ class Staged:
     record: dict[str, Any]
 
 
+def planner_config(config: OmniConfig) -> DynamicConfig:
+    """The planner the flags ask for; with none set, the one docs/benchmarks.md measured."""
+    window = config.omni_placement_window
+    return DynamicConfig(
+        trigger=config.omni_placement_trigger, margin=config.omni_placement_margin,
+        predictor=config.omni_placement_predictor,
+        predictor_args={} if window is None else {"alpha": 2.0 / (window + 1)})
+
+
 class PlacementController:
     """One per scheduler process; see the module docstring."""
 
@@ -108,12 +117,7 @@ class PlacementController:
             slots = self.map[self.moe_layers].reshape(len(self.moe_layers), self.num_ranks, self.per_rank)
             self.planner = DynamicPlanner(
                 Placement(slots.copy(), self.num_experts),
-                DynamicConfig(
-                    trigger=config.omni_placement_trigger,
-                    margin=config.omni_placement_margin,
-                    predictor="ema",
-                    predictor_args={"alpha": 2.0 / (config.omni_placement_window + 1)},
-                ),
+                planner_config(config),
             )
         self.thread = threading.Thread(target=self._run, name="omni-placement", daemon=True)
         self.thread.start()
