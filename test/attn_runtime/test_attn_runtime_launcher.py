@@ -82,11 +82,12 @@ def test_the_pool_split_is_balanced_for_the_given_budget(
 def _plain_namespace(model: Path, **extra: object) -> object:
     import argparse
 
-    return argparse.Namespace(
+    values: dict[str, object] = dict(
         model_path=str(model), attention_backend="torch_native", page_size=None,
         max_total_tokens=None, chunked_prefill_size=512, max_running_requests=None,
-        swa_full_tokens_ratio=None, json_model_override_args=None, **extra,
+        swa_full_tokens_ratio=None, json_model_override_args=None,
     )
+    return argparse.Namespace(**{**values, **extra})
 
 
 def test_disable_radix_cache_keeps_prefix_reuse_off(tiny_models: dict[str, Path],
@@ -106,8 +107,10 @@ def test_disable_radix_cache_keeps_prefix_reuse_off(tiny_models: dict[str, Path]
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"disaggregation_mode": "decode"}, "PD disaggregation is not supported"),
-        ({"disaggregation_mode": "prefill"}, "PD disaggregation is not supported"),
+        ({"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True},
+         "does not keep the compressed layers' sink on the decode server"),
+        ({"disaggregation_mode": "prefill", "attention_backend": "omni_triton", "page_size": 16},
+         "transferred at page size 1 only"),
         ({"radix_cache_backend": "flexkv"}, "does not keep the sink"),
         ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache replaces"),
     ],
@@ -125,14 +128,30 @@ def test_what_the_sink_aware_cache_cannot_serve_is_refused_in_one_line(
     assert "\n" not in str(info.value)
 
 
-def test_pd_with_a_pattern_stops_the_launch_in_one_line(
+def test_pd_at_page_size_one_is_prepared_like_a_plain_server(tiny_models: dict[str, Path],
+                                                              tmp_path: Path) -> None:
+    from omniinfer.flags import OmniConfig
+    from omniinfer.sglang_plugin.omni_attn import RADIX_BACKEND, prepare_namespace
+
+    model = tiny_models["llama"]
+    config = OmniConfig(omni_attn_pattern=str(_pattern(model, tmp_path / "p.json", [0])))
+    for mode in ("prefill", "decode"):
+        namespace = _plain_namespace(model, disaggregation_mode=mode, radix_cache_backend=None)
+        prepare_namespace(namespace, config)
+        assert json.loads(namespace.json_model_override_args)["is_hybrid_swa"] is True
+        assert namespace.radix_cache_backend == RADIX_BACKEND
+
+
+def test_pd_with_the_decode_radix_cache_stops_the_launch_in_one_line(
     tiny_models: dict[str, Path], cpu_engine_env: dict[str, str], tmp_path: Path,
 ) -> None:
     model = tiny_models["llama"]
     pattern = _pattern(model, tmp_path / "p.json", [0])
     result = launch(["--model-path", str(model), "--device", "cpu", "--attention-backend",
                      "torch_native", "--disaggregation-mode", "decode",
+                     "--disaggregation-decode-enable-radix-cache",
                      "--omni-attn-pattern", str(pattern)], cpu_engine_env)
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("omniinfer: error: --omni-attn-pattern: PD disaggregation")
+    assert last.startswith("omniinfer: error: --omni-attn-pattern: "
+                           "--disaggregation-decode-enable-radix-cache")
