@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,9 +33,36 @@ CPU_FLAGS: tuple[str, ...] = (
 )
 
 
+PORT_RANGE = (10000, 21999)  # below the kernel's ephemeral range and SGLang's own picks
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (another process may still take it before use)."""
-    with socket.socket() as s:
+    """A TCP port free now, never the same twice in this process.
+
+    Taken below the kernel's ephemeral range (and below SGLang's own choices, 22000-29999), so
+    that no outgoing connection or ``bind(0)`` of another process -- a starting SGLang server
+    opens dozens -- can take it between this call and the bind of the child it is meant for.
+    """
+    low, high = PORT_RANGE
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = min(high, int(f.read().split()[0]) - 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    pick = random.SystemRandom()
+    for _ in range(256 if high > low else 0):
+        port = pick.randint(low, high)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # no free port below the ephemeral range: any free one
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from omniinfer.launch import free_port
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.server import Serving, open_router
 
@@ -56,12 +56,6 @@ class ScriptedWorker:
     async def close(self) -> None:
         if self.server is not None:
             await self.server.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.asynccontextmanager
