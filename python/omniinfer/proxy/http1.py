@@ -31,7 +31,6 @@ from omniinfer.proxy.http1_response import (
 MAX_HEAD = 64 * 1024  # a worker's status line + headers
 MAX_CHUNK_LINE = 1024  # a chunk-size line (size, extensions)
 HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
-BAD_IN_HEAD = (b"\r", b"\n", b"\x00")  # bare CR or LF, NUL: not HTTP/1.1 (RFC 9112 2.2)
 MAX_ORIGINS = 4096  # workers whose parsed URL and request heads are kept
 MAX_HEADS_PER_ORIGIN = 64  # paths a head is kept for, per worker
 
@@ -195,12 +194,15 @@ class _Connection(asyncio.Protocol):
             break
         self.buf = b""
         self._stop_head_deadline()
+        crlf = head.count(b"\r\n")
+        if head.count(b"\n") != crlf or head.count(b"\r") != crlf or b"\x00" in head:
+            raise UpstreamProtocolError("bare CR or LF, or NUL, in the answer head")
         resp = self.response
         assert resp is not None
         headers: dict[str, str] = {}
         for line in lines[1:]:
             name, sep, value = line.partition(b":")
-            if not sep or any(bad in line for bad in BAD_IN_HEAD):
+            if not sep:
                 raise UpstreamProtocolError(f"bad header line {line[:80]!r}")
             key = name.strip().lower().decode("latin-1")
             text = value.strip().decode("latin-1")
