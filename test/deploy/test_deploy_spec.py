@@ -146,3 +146,23 @@ for line in lines:
     pattern = "python/omniinfer/attn/patterns/smollm2-135m.json"
     assert done.stdout.split("\n")[:3] == [f"server prefill {pattern}",
                                             f"server decode {pattern}", "router True"]
+
+
+def test_local_servers_get_the_cpu_engine_only_on_a_cpu(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gpu deployment's servers keep this process's environment (PATH, CUDA settings) and
+    are not switched to the CPU engine; a cpu one's are, with a thread binding per TP rank."""
+    from omniinfer.deploy.local import Local
+
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    monkeypatch.setenv("DEPLOY_TEST_MARK", "kept")
+    gpu = Local(parse(_base(device="gpu", prefill={"tp": 2}), "g.yaml"), tmp_path)
+    for _, process in gpu.servers:
+        assert process.env.get("DEPLOY_TEST_MARK") == "kept"
+        assert "SGLANG_USE_CPU_ENGINE" not in process.env
+        assert "--device" not in process.command
+    cpu = Local(parse(_base(prefill={"tp": 2}), "c.yaml"), tmp_path)
+    prefill = cpu.servers[0][1]
+    assert prefill.env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert "SGLANG_CPU_OMP_THREADS_BIND" in prefill.env
+    assert prefill.env.get("DEPLOY_TEST_MARK") == "kept"

@@ -9,6 +9,7 @@ runs in its own process group and dies with this one, so nothing is left behind.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -33,14 +34,16 @@ class Local:
         self.dep, self.log_dir, self.host = dep, Path(log_dir), host
         self.servers: list[tuple[Server, PDServer]] = []
         for group in dep.groups():
-            env = cpu_env(threads_bind=_threads(group.tp)) if dep.device == "cpu" else None
+            # the CPU engine's environment on a CPU; elsewhere this process's, unchanged
+            env = (cpu_env(threads_bind=_threads(group.tp)) if dep.device == "cpu"
+                   else dict(os.environ))
             for index in range(group.count):
                 spec = Server(group.role, index, host, free_port(),
                               free_port() if group.role == "prefill" else None)
                 command = server_command(dep, group, spec, host)
                 log = self.log_dir / f"{spec.name}-{spec.port}.log"
-                process = PDServer(command, env if env is not None else cpu_env({}),
-                                   log, spec.port, group.role, spec.bootstrap_port)
+                process = PDServer(command, env, log, spec.port, group.role,
+                                   spec.bootstrap_port)
                 process.ready_timeout_s = ready_timeout_s
                 self.servers.append((spec, process))
         prefills = [(s.url(), s.bootstrap_port or 0) for s, _ in self.servers
@@ -80,8 +83,6 @@ def _threads(tp: int) -> str | None:
     """SGLang's CPU thread binding for ``tp`` ranks on this machine's cores (None for one)."""
     if tp == 1:
         return None
-    import os
-
     cores = sorted(os.sched_getaffinity(0))
     per = max(1, len(cores) // tp)
     return "|".join(",".join(str(c) for c in cores[i * per:(i + 1) * per] or cores[-1:])
