@@ -9,10 +9,8 @@ Each run also reports the router's CPU time per request (user + system of its pr
 threads): unlike wall latency it barely moves when other jobs share the machine.
 
   python benchmark/router/overhead.py --rates 200,1000 --duration 5
-  python benchmark/router/overhead.py --rates 1000 --api-key sk-x --policy oas \
-      --targets direct,omniproxy --output /tmp/oas.json
-  python benchmark/router/overhead.py --rates 1000 --api-key sk-x --policy oas --kv-events \
-      --targets direct,omniproxy --output /tmp/oas_kv.json
+  python benchmark/router/overhead.py --rates 1000 --api-key sk-x --repeats 5 \
+      --baseline-tree /path/to/older/checkout   # that checkout's router as a fourth target
   python benchmark/router/overhead.py --rates 1000 --api-key sk-x --policy oas --repeats 5
 --repeats N runs every target N times in turn (a fresh router each round) and reports medians;
 the added latency is the median over rounds of router minus the same round's direct run, so a
@@ -338,6 +336,8 @@ def main() -> int:
                    help="workers publish KV events; OmniProxy runs --cache-truth kv-events "
                         "(implies --prompt-tokens 128 unless given)")
     p.add_argument("--no-throughput", action="store_true", help="skip the closed-loop phase")
+    p.add_argument("--baseline-tree", type=Path, default=None,
+                   help="another checkout: its router runs as target omniproxy-baseline")
     p.add_argument("--serve-echo", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--kv-port", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -375,6 +375,12 @@ def main() -> int:
                                 "--port", str(ours), "--worker-urls", *urls,
                                 "--policy", args.policy, "--log-level", "warn",
                                 "--max-concurrent-requests", "0", *truth, *key_args]
+        if args.baseline_tree is not None:
+            wanted.add("omniproxy-baseline")
+            old = ["env", f"PYTHONPATH={args.baseline_tree.resolve() / 'python'}"]
+            targets["omniproxy-baseline"] = [*old, *targets["omniproxy"]]
+            targets["omniproxy-baseline"][targets["omniproxy-baseline"].index(str(ours))] = str(
+                baseline := free_port())
         rust = free_port()
         # the Rust router has no oas: its nearest policy (cache-aware with load balancing) stands
         sglang_policy = args.policy if args.policy in SGLANG_POLICIES else "cache_aware"
@@ -385,7 +391,8 @@ def main() -> int:
                                     "--log-level", "warn", "--prometheus-port", str(free_port()),
                                     *key_args]
         targets = {k: v for k, v in targets.items() if k in wanted}
-        ports = {"direct": None, "omniproxy": ours, "sglang-router": rust}
+        ports = {"direct": None, "omniproxy": ours, "sglang-router": rust,
+                 "omniproxy-baseline": baseline if args.baseline_tree else None}
         curves: dict[str, list[float]] = {}
         samples: dict[str, list[dict[str, float]]] = {}
         for rep in tqdm(range(args.repeats), desc="rounds", disable=args.repeats == 1):
@@ -428,7 +435,7 @@ def main() -> int:
                 "p99_ms_rounds": [round(r["p99_ms"], 4) for r in rounds]}
         for rate in rates:
             base = samples.get(f"direct@{rate:.0f}")
-            for name in ("omniproxy", "sglang-router"):
+            for name in ("omniproxy", "omniproxy-baseline", "sglang-router"):
                 rounds = samples.get(f"{name}@{rate:.0f}")
                 if base is None or rounds is None:
                     continue
@@ -454,11 +461,11 @@ def main() -> int:
           f"{os.cpu_count()} CPUs"
           f"{', KV events' if args.kv_events else ''}"
           f"{f', {args.prompt_tokens}-token prompts' if args.prompt_tokens else ''}")
-    print(f"{'target':<15}{'req/s':>7}{'p50 ms':>10}{'p99 ms':>10}{'added p50':>11}"
+    print(f"{'target':<20}{'req/s':>7}{'p50 ms':>10}{'p99 ms':>10}{'added p50':>11}"
           f"{'added p99':>11}{'cpu ms/req':>12}{'errors':>8}")
     for run in results["runs"].values():
         note = "  (client saturated)" if run.get("client_saturated") else ""
-        print(f"{run['target']:<15}{run['rate']:>7.0f}{run['p50_ms']:>10.3f}{run['p99_ms']:>10.3f}"
+        print(f"{run['target']:<20}{run['rate']:>7.0f}{run['p50_ms']:>10.3f}{run['p99_ms']:>10.3f}"
               f"{run.get('added_p50_ms', 0.0):>11.3f}{run.get('added_p99_ms', 0.0):>11.3f}"
               f"{run['cpu_ms_per_request']:>12.3f}{run['errors']:>8}{note}")
     print("cpu ms/req: the router's CPU time (user + system, all threads and child processes) "
@@ -484,10 +491,8 @@ def _plot(curves: dict[str, list[float]], path: Path) -> None:
         s = sorted(x * 1e3 for x in lat)
         if s:
             ax.plot(s, [(i + 1) / len(s) for i in range(len(s))], label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel("request latency (ms)")
-    ax.set_ylabel("CDF")
-    ax.set_title("Latency through each router vs direct")
+    ax.set(xscale="log", xlabel="request latency (ms)", ylabel="CDF",
+           title="Latency through each router vs direct")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
