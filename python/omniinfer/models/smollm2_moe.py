@@ -11,8 +11,14 @@ Written as SGLang's ``qwen2_moe`` (Qwen2-MoE): its attention is Llama's exactly 
 ``qkv_bias: false`` (no q/k norm, full rotary, RMSNorm pre-norm), it has no shared expert when
 ``shared_expert_intermediate_size`` is 0, and it is wired for expert-location dispatch (EPLB and
 the placement runtime). It does not tie the embeddings, so ``lm_head.weight`` is written out.
-Its attention has 9 heads and 3 KV heads: tensor parallelism of attention must be 1 (serve
-``--tp 2 --ep 2`` with ``--enable-dp-attention --dp 2``).
+SmolLM2's attention (9 heads, 3 KV heads, width 576) does not split over two tensor-parallel
+ranks, and qwen2_moe derives the head size from the width. So the folder is widened for
+``--tp`` (default 2) with the same function: KV heads are padded to a multiple of tp (3 -> 4,
+query heads 9 -> 12, one whole GQA group of zero heads) and the width to heads x head size
+(576 -> 768) with zero dimensions that no weight reads or writes. RMSNorm averages over the
+wider width, so each norm weight is scaled by sqrt(576/768) and its epsilon by 576/768: the
+real dimensions see exactly the dense normalisation, and the padded ones stay zero in every
+layer (:func:`widened_shape`, :func:`widen`).
 """
 
 from __future__ import annotations
@@ -27,16 +33,33 @@ LICENSE_NOTE = """This folder is derived from SmolLM2-135M-Instruct (Hugging Fac
 each layer's MLP is copied into identical experts behind a router (omniinfer.models.smollm2_moe).
 The weights are the original model's; the licence of the original applies (Apache-2.0).
 """
+READS_THE_RESIDUAL = ("embed_tokens.weight", "lm_head.weight", "q_proj.weight", "k_proj.weight",
+                      "v_proj.weight", "mlp.gate.weight", "gate_proj.weight", "up_proj.weight")
+MOE_ID = "SmolLM2-135M-MoE"
 COPIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
           "generation_config.json", "special_tokens_map.json")
 
 
-def moe_config(dense: dict, experts: int, top_k: int) -> dict:
-    """The Qwen2-MoE config.json for the dense Llama config ``dense``."""
+def widened_shape(dense: dict, tp: int) -> tuple[int, int, int]:
+    """(query heads, KV heads, width) of the dense config widened so that ``tp`` ranks split
+    the attention: KV heads rounded up to a multiple of ``tp``, query heads in the same GQA
+    ratio, the width heads x head size."""
+    heads, kv_heads = dense["num_attention_heads"], dense["num_key_value_heads"]
+    if tp < 1 or heads % kv_heads:
+        raise ValueError("need tp >= 1 and query heads a multiple of KV heads")
+    head_dim = dense["hidden_size"] // heads
+    wide_kv = -(-kv_heads // tp) * tp
+    wide_heads = wide_kv * (heads // kv_heads)
+    return wide_heads, wide_kv, wide_heads * head_dim
+
+
+def moe_config(dense: dict, experts: int, top_k: int, tp: int = 2) -> dict:
+    """The Qwen2-MoE config.json for the dense Llama config ``dense``, widened for ``tp``."""
     if dense.get("hidden_size", 0) % dense.get("num_attention_heads", 1):
         raise ValueError("qwen2_moe derives head_dim from hidden_size / heads")
     if dense.get("head_dim", 0) not in (0, dense["hidden_size"] // dense["num_attention_heads"]):
         raise ValueError("the dense model's head_dim differs from hidden_size / heads")
+    heads, kv_heads, width = widened_shape(dense, tp)
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "hidden_act",
             "max_position_embeddings", "rms_norm_eps", "rope_parameters", "bos_token_id",
@@ -48,8 +71,46 @@ def moe_config(dense: dict, experts: int, top_k: int) -> dict:
                   moe_intermediate_size=dense["intermediate_size"],
                   shared_expert_intermediate_size=0, norm_topk_prob=True,
                   decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
-                  torch_dtype=dense.get("dtype", dense.get("torch_dtype", "bfloat16")))
+                  torch_dtype=dense.get("dtype", dense.get("torch_dtype", "bfloat16")),
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=width,
+                  rms_norm_eps=dense["rms_norm_eps"] * dense["hidden_size"] / width)
     return config
+
+
+def widen(name: str, tensor: Any, width: int, heads: int, kv_heads: int, head_dim: int) -> Any:
+    """One tensor of the MoE model widened (see the module docstring): zero rows and columns
+    appended where the width or the heads grew, norm weights rescaled."""
+    import torch
+
+    if tensor.dim() == 1:  # an RMSNorm weight, kept in float32 so the rescaling rounds nothing
+        scaled = tensor.float() * (tensor.shape[0] / width) ** 0.5
+        return torch.nn.functional.pad(scaled, (0, width - tensor.shape[0]))
+    rows, cols = tensor.shape
+    if name.endswith("o_proj.weight"):
+        rows, cols = width, heads * head_dim
+    elif name.endswith("down_proj.weight"):
+        rows = width
+    elif name.endswith(READS_THE_RESIDUAL):
+        cols = width
+        if name.endswith("q_proj.weight"):
+            rows = heads * head_dim
+        elif name.endswith(("k_proj.weight", "v_proj.weight")):
+            rows = kv_heads * head_dim
+    else:
+        raise ValueError(f"no widening rule for {name}")
+    return torch.nn.functional.pad(tensor, (0, cols - tensor.shape[1], 0, rows - tensor.shape[0]))
+
+
+def moe_pattern(dense: Any, config: dict, model_id: str = MOE_ID) -> Any:
+    """The dense model's OmniAttn pattern for the MoE folder with ``config``: the same layers,
+    sink and window (the MoE model computes the dense function, so the dense search and its
+    perplexity figures hold), the MoE model's id and KV shape (widened KV heads)."""
+    from omniinfer.attn.pattern import from_layers
+
+    provenance = {"derived_from": f"{dense.model_id} pattern (omniinfer.models.smollm2_moe)",
+                  "why": "the MoE model computes the dense model's function", **dense.provenance}
+    return from_layers(dense.compressed_layers, config, dense.sink, dense.recent, model_id,
+                       provenance)
 
 
 def router_weight(mean: Any, spread: float, experts: int, layer: int, seed: int = 0,
@@ -99,8 +160,9 @@ def mlp_input_stats(dense_dir: Path, text: str, tokens: int = 512) -> list[tuple
 
 
 def convert(dense_dir: Path, output: Path, experts: int = 4, top_k: int = 2,
-            bias_step: float = 0.5, seed: int = 0) -> Path:
-    """Write the MoE folder (the router calibrated on a public-domain text); returns it."""
+            bias_step: float = 0.5, seed: int = 0, tp: int = 2) -> Path:
+    """Write the MoE folder (the router calibrated on a public-domain text, the attention
+    widened for ``tp`` ranks); returns it."""
     from safetensors.torch import load_file, save_file
 
     import omniinfer.data
@@ -108,7 +170,7 @@ def convert(dense_dir: Path, output: Path, experts: int = 4, top_k: int = 2,
     if not 1 <= top_k <= experts:
         raise ValueError("need 1 <= top_k <= experts")
     dense = json.loads((dense_dir / "config.json").read_text())
-    config = moe_config(dense, experts, top_k)
+    config = moe_config(dense, experts, top_k, tp)
     weights = load_file(str(dense_dir / "model.safetensors"))
     out: dict = {}
     for name, tensor in weights.items():
@@ -128,6 +190,9 @@ def convert(dense_dir: Path, output: Path, experts: int = 4, top_k: int = 2,
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 out[f"{prefix}.experts.{e}.{proj}.weight"] = \
                     weights[f"{prefix}.{proj}.weight"].clone()
+    shape = (config["hidden_size"], config["num_attention_heads"],
+             config["num_key_value_heads"], dense["hidden_size"] // dense["num_attention_heads"])
+    out = {name: widen(name, tensor, *shape) for name, tensor in out.items()}
     partial = output.with_name(output.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -149,11 +214,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--bias-step", type=float, default=0.5,
                         help="router bias between neighbouring experts on a typical token")
+    parser.add_argument("--tp", type=int, default=2,
+                        help="widen the attention so that this many ranks split it")
     args = parser.parse_args(argv)
-    if (args.output / "config.json").is_file():
+    wanted = moe_config(json.loads((args.dense / "config.json").read_text()), args.experts,
+                        args.top_k, args.tp)
+    built = args.output / "config.json"
+    if built.is_file() and json.loads(built.read_text()) == wanted:
         print(f"already built: {args.output}")
         return 0
-    convert(args.dense, args.output, args.experts, args.top_k, args.bias_step)
+    shutil.rmtree(args.output, ignore_errors=True)  # an older build, or another shape
+    convert(args.dense, args.output, args.experts, args.top_k, args.bias_step, tp=args.tp)
     print(f"built {args.output} ({args.experts} experts, top {args.top_k})")
     return 0
 

@@ -89,7 +89,7 @@ class PlacementController:
         rank = tp_rank()
         assert rank is not None, "the placement runtime runs inside a scheduler"
         self.rank = rank % self.num_ranks
-        self.weights = self.model.routed_experts_weights_of_layer
+        self.weights = routed_expert_weights(self.model)
         self.moe_layers = sorted(int(k) for k in self.weights.keys())
         self.num_experts = int(self.metadata.num_logical_experts)
         self.map = self.metadata.physical_to_logical_map_cpu.numpy().copy()
@@ -266,6 +266,27 @@ class PlacementController:
         partial = path.with_suffix(".partial")
         partial.write_text(json.dumps(self.status, default=str))
         partial.replace(path)
+
+
+def routed_expert_weights(model: Any) -> Any:
+    """{MoE layer id: its routed experts' weight tensors}, the descriptor SGLang's EPLB reads.
+    Models that publish it (``routed_experts_weights_of_layer``: qwen3_moe, deepseek_v2, ...)
+    give theirs; for one that does not (qwen2_moe) it is built the same way from each layer's
+    ``mlp.get_moe_weights()``. A model with neither cannot migrate experts: a clear error."""
+    published = getattr(model, "routed_experts_weights_of_layer", None)
+    if published is not None:
+        return published
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise RuntimeError(f"{type(model).__name__}: no routed expert weights to migrate")
+    start = getattr(inner, "start_layer", 0)
+    end = getattr(inner, "end_layer", len(layers))
+    found = {i: layers[i].mlp.get_moe_weights() for i in range(start, end)
+             if hasattr(getattr(layers[i], "mlp", None), "get_moe_weights")}
+    if not found:
+        raise RuntimeError(f"{type(model).__name__}: no MoE layer exposes get_moe_weights()")
+    return found
 
 
 def _weights_platform(weights: Any) -> Platform:
