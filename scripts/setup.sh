@@ -38,7 +38,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$SETUP_STAMP_KEY" ]; then
     apache-tvm-ffi==0.1.11 compressed-tensors==0.18.0 gguf datasets uvicorn uvloop fastapi \
     openai==2.8.0 partial-json-parser setproctitle jsonschema xgrammar==0.2.7 soundfile \
     python-multipart accelerate tokenizers prometheus-client httpx matplotlib \
-    pytest pytest-timeout ruff sglang-router==0.3.2 hypothesis
+    pytest pytest-timeout ruff sglang-router==0.3.2 smg==1.13.0 hypothesis
   # PD disaggregation on this CPU: Mooncake's transfer engine over TCP (KV between servers).
   bash "$ROOT/scripts/setup_mooncake.sh" "$PY"
   echo "[setup] omniinfer (editable)"

@@ -20,7 +20,7 @@ from omniinfer.emulator.process import EmulatorProcess
 from omniinfer.launch import ManagedProcess, free_port
 
 __all__ = ["EmulatedCluster", "free_port", "omni_router_args", "omni_router_command",
-           "sglang_router_command", "start_router"]
+           "sglang_router_command", "smg_router_command", "start_router"]
 
 
 def kv_events_args() -> list[str]:
@@ -31,17 +31,20 @@ def kv_events_args() -> list[str]:
 
 class EmulatedCluster:
     """``n_prefill`` prefill and ``n_decode`` decode emulators of one profile, or ``n_regular``
-    regular (non-PD) ones (each publishing its KV events if ``kv_events``, for a router with
+    regular (non-PD) ones (``profile``: one name, or one per mode ``{"prefill": ...,
+    "decode": ...}``; each publishing its KV events if ``kv_events``, for a router with
     ``--cache-truth kv-events``); ``cache_extra`` goes to the workers with a prefix cache only
     (prefill and regular), e.g. a smaller ``--max-total-tokens``."""
 
-    def __init__(self, n_prefill: int, n_decode: int, profile: str, time_scale: float,
+    def __init__(self, n_prefill: int, n_decode: int, profile: str | dict[str, str],
+                 time_scale: float,
                  log_dir: Path, extra: tuple[str, ...] = (), kv_events: bool = False,
                  n_regular: int = 0, cache_extra: tuple[str, ...] = ()) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         events = kv_events_args if kv_events else list
         keep = ["--request-log-size", "0"]  # the request log is for tests: no memory for it here
-        self.procs = [EmulatorProcess(mode, profile, time_scale, extra_args=[
+        profiles = profile if isinstance(profile, dict) else {}  # per mode, or one for all
+        self.procs = [EmulatorProcess(mode, profiles.get(mode, profile), time_scale, extra_args=[
                           *keep, *extra, *(cache_extra if mode != "decode" else ()), *events()],
                                       log_path=log_dir / f"{mode}{i}.log")
                       for mode, count in (("prefill", n_prefill), ("decode", n_decode),
@@ -102,10 +105,10 @@ def _roles(cluster: EmulatedCluster, prefill_policy: str, decode_policy: str) ->
 
 def omni_router_args(cluster: EmulatedCluster, prefill_policy: str, decode_policy: str,
                      access_log: Path | None = None, cache_truth: str = "router",
-                     ttft_slo_secs: float | None = None) -> list[str]:
+                     ttft_slo_secs: float | None = None, poll_s: float = 0.5) -> list[str]:
     roles = _roles(cluster, prefill_policy, decode_policy)
     args = [*roles, "--cache-truth", cache_truth, "--log-level", "warn",
-            "--loads-poll-interval-secs", "0.5", "--max-concurrent-requests", "4096"]
+            "--loads-poll-interval-secs", f"{poll_s:g}", "--max-concurrent-requests", "4096"]
     for url, boot in cluster.prefill:
         args += ["--prefill", url, str(boot)]
     for url in cluster.decode:
@@ -123,6 +126,22 @@ def sglang_router_command(cluster: EmulatedCluster, prefill_policy: str, decode_
     cmd = [sys.executable, "-m", "sglang_router.launch_router", *roles,
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn",
            "--prometheus-port", str(free_port())]  # its default 29000 clashes between routers
+    for url, boot in cluster.prefill:
+        cmd += ["--prefill", url, str(boot)]
+    for url in cluster.decode:
+        cmd += ["--decode", url]
+    return cmd
+
+
+def smg_router_command(cluster: EmulatedCluster, prefill_policy: str, decode_policy: str,
+                       port: int, load_interval_s: int = 1) -> list[str]:
+    """smg 1.13 (``smg.launch_router``, the successor of sglang-router) as its docs show PD
+    mode, polling worker loads every ``load_interval_s`` seconds (its default 10 is longer than
+    a benchmark run; 1 is its smallest: give OmniProxy the same rate when comparing)."""
+    roles = _roles(cluster, prefill_policy, decode_policy)
+    cmd = [sys.executable, "-m", "smg.launch_router", *roles, "--host", "127.0.0.1",
+           "--port", str(port), "--log-level", "warn", "--prometheus-port", str(free_port()),
+           "--load-monitor-interval", str(load_interval_s)]
     for url, boot in cluster.prefill:
         cmd += ["--prefill", url, str(boot)]
     for url in cluster.decode:

@@ -12,15 +12,13 @@ threads): unlike wall latency it barely moves when other jobs share the machine.
   python benchmark/router/overhead.py --rates 1000 --api-key sk-x --repeats 5 \
       --baseline-tree /path/to/older/checkout   # that checkout's router as a fourth target
   python benchmark/router/overhead.py --rates 1000 --api-key sk-x --policy oas --repeats 5
---repeats N runs every target N times in turn (a fresh router each round) and reports medians;
-the added latency is the median over rounds of router minus the same round's direct run, so a
-slow patch of the shared machine shifts both sides of one difference.
+--repeats N runs every target N times in turn (a fresh router each round), reports medians; the
+added latency is the median over rounds of router minus the same round's direct run.
 With --api-key the workers require the key (as SGLang's server does), the routers are given it
 (OmniProxy then also requires it of clients) and every client presents it. With --kv-events each
 echo worker publishes KV events as SGLang does (a warm cache under churn: every prompt stores its
 unique half and evicts the oldest one) and OmniProxy follows them (--cache-truth kv-events).
-Writes overhead.json and overhead.png beside this script (or --output) and prints the table.
-"""
+Writes overhead.json and overhead.png beside this script (or --output); prints the table."""
 
 from __future__ import annotations
 

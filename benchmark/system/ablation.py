@@ -1,0 +1,272 @@
+"""The paper's ablation on emulated clusters: the whole system against plain SGLang behind the
+SGLang router, with and without each technique, in one invocation.
+
+Rows (the paper's Table 2, DeepSeek-R1 on 4 prefill nodes + 1 decode group, 3.5K-in / 1K-out
+long-tailed mix, TTFT < 2 s and TPOT < 50 ms):
+
+  full          OmniProxy oas      + OmniPlacement (omni) + OmniAttn pattern
+  no_placement  OmniProxy oas      + no placement (contiguous experts)  + pattern
+  no_pattern    OmniProxy oas      + OmniPlacement                      + no pattern
+  no_oas        SGLang router (smg 1.13, its best policy) + OmniPlacement + pattern
+  none          SGLang router (smg 1.13, its best policy) + no placement + no pattern
+
+Each row is its own emulated cluster (``omniinfer emulate-worker`` with the row's MoE and
+pattern terms, see ``omniinfer.emulator.sparse``), the paper mix closed-loop at one
+concurrency, every row in turn per repeat (so a slow patch of the shared machine hits all).
+smg polls worker loads every second (its smallest interval); OmniProxy is given the same rate.
+"The SGLang router's best policy" is chosen in the same invocation: every candidate runs the
+``none`` configuration once and the best goodput wins (``--peer-policies``).
+
+    python benchmark/system/ablation.py --quick              # minutes
+    python benchmark/system/ablation.py --repeats 3          # the published table
+
+Writes ``results.json``, ``ablation.png`` and the printed table to ``--output-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "proxy"))
+
+from cluster import (  # noqa: E402
+    EmulatedCluster,
+    free_port,
+    omni_router_args,
+    omni_router_command,
+    smg_router_command,
+    start_router,
+)
+from tqdm import tqdm  # noqa: E402
+
+from omniinfer.bench.client import RequestResult  # noqa: E402
+from omniinfer.bench.metrics import summarize  # noqa: E402
+from omniinfer.bench.runner import run_closed_loop  # noqa: E402
+from omniinfer.bench.workloads import WorkloadSpec, paper  # noqa: E402
+
+PAPER_QPM = {"full": 616, "no_placement": 463, "no_pattern": 554, "no_oas": 575, "none": 404}
+PEER_POLICIES = ("round_robin", "cache_aware", "power_of_two", "least_load", "bucket")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str
+    router: str  # "oas" or "peer"
+    placement: str  # the emulator's --moe-placement
+    pattern: bool
+
+
+ROWS = (Row("full", "oas", "omni", True), Row("no_placement", "oas", "none", True),
+        Row("no_pattern", "oas", "omni", False), Row("no_oas", "peer", "omni", True),
+        Row("none", "peer", "none", False))
+
+
+def emulator_flags(row: Row, args: argparse.Namespace) -> list[str]:
+    """The emulator flags of one row: the MoE term always on (its placement is what varies),
+    the pattern term on or off."""
+    flags = ["--moe-share", f"{args.moe_share:g}", "--moe-placement", row.placement,
+             "--moe-model", args.moe_model, "--moe-skew", f"{args.moe_skew:g}"]
+    if row.pattern:
+        flags += ["--attn-compressed-fraction", f"{args.attn_fraction:g}",
+                  "--attn-sink", str(args.attn_sink), "--attn-recent", str(args.attn_recent)]
+    return flags
+
+
+def emulator_status(cluster: EmulatedCluster) -> dict[str, Any]:
+    """What each emulator reports of its sparse terms after the run (``/server_info``)."""
+    import urllib.request
+
+    out = {}
+    for url in cluster.urls():
+        try:
+            with urllib.request.urlopen(url + "/server_info", timeout=10) as r:
+                info = json.loads(r.read())
+        except OSError:
+            continue
+        out[url] = {k: v for k, v in info.items() if k.startswith(("omni_emulator", "moe", "attn"))}
+    return out
+
+
+def to_model_time(results: list[RequestResult], scale: float) -> list[RequestResult]:
+    return [dataclasses.replace(
+        r, ttft=None if r.ttft is None else r.ttft / scale,
+        e2e=None if r.e2e is None else r.e2e / scale, itl=[x / scale for x in r.itl],
+        start=r.start / scale, end=r.end / scale) for r in results]
+
+
+def run_row(row: Row, peer_policy: str, args: argparse.Namespace, requests: list[Any],
+            log_dir: Path) -> dict[str, Any]:
+    """One row once: its cluster, its router, the closed loop; summary in model time."""
+    profiles = {"prefill": args.prefill_profile, "decode": args.decode_profile}
+    cluster = EmulatedCluster(args.prefill, args.decode, profiles, args.time_scale,
+                              log_dir / row.name, extra=tuple(emulator_flags(row, args)))
+    port = free_port()
+    try:
+        if row.router == "oas":
+            slo = args.slo_ttft * args.time_scale
+            command = omni_router_command(omni_router_args(
+                cluster, "oas", "oas", ttft_slo_secs=slo, poll_s=1.0), port)
+        else:
+            decode = peer_policy if peer_policy != "bucket" else "round_robin"
+            command = smg_router_command(cluster, peer_policy, decode, port)
+        router = start_router(command, port, log_dir / f"{row.name}-router.log")
+        try:
+            results, duration = asyncio.run(run_closed_loop(
+                f"http://127.0.0.1:{port}", requests, args.concurrency, progress=False,
+                timeout_s=1200))
+        finally:
+            router.stop()
+        status = emulator_status(cluster)
+    finally:
+        cluster.stop()
+    model = to_model_time(results, args.time_scale)
+    summary = summarize(model, duration / args.time_scale, args.slo_ttft, args.slo_tpot)
+    return {"row": row.name, "router": "oas" if row.router == "oas" else f"smg:{peer_policy}",
+            "summary": summary, "errors": [r.error for r in model if not r.ok][:3],
+            "emulator": status}
+
+
+def _stat(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def table(runs: list[dict[str, Any]], peer: str) -> tuple[str, dict[str, Any]]:
+    by_row: dict[str, dict[str, Any]] = {}
+    for row in ROWS:
+        mine = [r["summary"] for r in runs if r["row"] == row.name and "summary" in r]
+        if not mine:
+            continue
+        by_row[row.name] = {key: _stat([float(s[key] or 0.0) for s in mine]) for key in (
+            "requests_per_minute", "goodput_requests_per_minute", "median_ttft_ms",
+            "p99_ttft_ms", "median_tpot_ms")}
+    base = by_row.get("none", {}).get("goodput_requests_per_minute", {}).get("median")
+    lines = [f"{'row':<14}{'router':<20}{'QPM':>8}{'goodput QPM (min-max)':>26}"
+             f"{'TTFT p50/p99 ms':>18}{'TPOT p50':>10}{'x none':>8}{'paper QPM':>11}"
+             f"{'paper x':>9}"]
+    for row in ROWS:
+        if row.name not in by_row:
+            continue
+        s = by_row[row.name]
+        good = s["goodput_requests_per_minute"]
+        ratio = good["median"] / base if base else float("nan")
+        router = "oas" if row.router == "oas" else f"smg:{peer}"
+        spread = f"{good['median']:.0f} ({good['min']:.0f}-{good['max']:.0f})"
+        ttft = f"{s['median_ttft_ms']['median']:.0f}/{s['p99_ttft_ms']['median']:.0f}"
+        lines.append(
+            f"{row.name:<14}{router:<20}{s['requests_per_minute']['median']:>8.0f}"
+            f"{spread:>26}{ttft:>18}{s['median_tpot_ms']['median']:>10.1f}{ratio:>8.2f}"
+            f"{PAPER_QPM[row.name]:>11}{PAPER_QPM[row.name] / PAPER_QPM['none']:>9.2f}")
+        by_row[row.name]["x_none"] = ratio
+    return "\n".join(lines), by_row
+
+
+def plot(by_row: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.name for r in ROWS if r.name in by_row]
+    ours = [by_row[n]["goodput_requests_per_minute"]["median"] for n in names]
+    lo = [o - by_row[n]["goodput_requests_per_minute"]["min"] for n, o in zip(names, ours, strict=True)]
+    hi = [by_row[n]["goodput_requests_per_minute"]["max"] - o for n, o in zip(names, ours, strict=True)]
+    base = by_row.get("none", {}).get("goodput_requests_per_minute", {}).get("median") or 1.0
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [o / base for o in ours], 0.4, yerr=[
+        [v / base for v in lo], [v / base for v in hi]], label="emulated (goodput, x none)")
+    ax.bar([i + 0.2 for i in x], [PAPER_QPM[n] / PAPER_QPM["none"] for n in names], 0.4,
+           label="paper Table 2 (QPM, x none)")
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("x the 'none' row")
+    ax.set_title("OmniInfer ablation")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--prefill-profile", default="ascend-r1-prefill")
+    p.add_argument("--decode-profile", default="ascend-r1-decode")
+    p.add_argument("--prefill", type=int, default=4)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--time-scale", type=float, default=2.0)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--output-scale", type=float, default=0.05)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--peer-policies", default=",".join(PEER_POLICIES))
+    p.add_argument("--moe-share", type=float, default=0.4)
+    p.add_argument("--moe-model", default="olmoe")
+    p.add_argument("--moe-skew", type=float, default=1.0)
+    p.add_argument("--attn-fraction", type=float, default=0.4)
+    p.add_argument("--attn-sink", type=int, default=128)
+    p.add_argument("--attn-recent", type=int, default=384)
+    p.add_argument("--slo-ttft", type=float, default=2.0)
+    p.add_argument("--slo-tpot", type=float, default=0.050)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", type=Path, default=HERE.parent / "results" / "system")
+    args = p.parse_args()
+    if args.quick:
+        args.num_requests = min(args.num_requests, 96)
+        args.peer_policies = "round_robin,cache_aware"
+    out = args.output_dir
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    requests = paper(WorkloadSpec(num_requests=args.num_requests, seed=args.seed,
+                                  vocab_size=128000, output_scale=args.output_scale,
+                                  max_total_len=16000))
+    t0 = time.monotonic()
+    candidates = args.peer_policies.split(",")
+    runs: list[dict[str, Any]] = []
+    peer_runs = []
+    for policy in tqdm(candidates, desc="peer policies"):
+        peer_runs.append(run_row(ROWS[-1], policy, args, requests, logs))
+        peer_runs[-1]["repeat"] = -1
+        print(f"  smg:{policy:<14} goodput QPM "
+              f"{peer_runs[-1]['summary']['goodput_requests_per_minute']:.0f}", flush=True)
+    best = max(peer_runs, key=lambda r: r["summary"]["goodput_requests_per_minute"])
+    peer = best["router"].split(":", 1)[1]
+    for repeat in tqdm(range(args.repeats), desc="repeats"):
+        for row in ROWS:
+            run = run_row(row, peer, args, requests, logs)  # "none" again: no winner's curse
+            run["repeat"] = repeat
+            runs.append(run)
+            (out / "results.partial.json").write_text(json.dumps(runs, default=str))
+    text, by_row = table(runs, peer)
+    meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    meta["wall_s"] = time.monotonic() - t0
+    meta["peer_policy"] = peer
+    (out / "results.json").write_text(json.dumps(
+        {"meta": meta, "peer_selection": peer_runs, "runs": runs, "rows": by_row}, indent=1,
+        default=str))
+    plot(by_row, out / "ablation.png")
+    header = (f"Ablation: {args.prefill}P{args.decode}D emulated {args.prefill_profile}/"
+              f"{args.decode_profile}, paper mix closed-loop c={args.concurrency}, "
+              f"{args.repeats} repeat(s), SGLang router = smg 1.13 {peer} (best of "
+              f"{', '.join(candidates)})")
+    print(header)
+    print(text)
+    (out / "table.txt").write_text(header + "\n" + text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
