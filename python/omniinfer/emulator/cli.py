@@ -4,11 +4,40 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
+from typing import Any
 
 from omniinfer.emulator.faults import FaultError, Faults
-from omniinfer.emulator.profile import ProfileError, load_profile, shipped_profiles
+from omniinfer.emulator.profile import Profile, ProfileError, load_profile, shipped_profiles
+from omniinfer.emulator.sparse import MOE_MODELS, PLACEMENTS, AttnPattern, MoeConfig
 from omniinfer.kv_events import parse_kv_events_config
+
+# --moe-<field> and --attn-<field> flags: each overrides the profile's moe / attn_pattern value
+MOE_HELP = {
+    "share": "part of each pass spent in MoE layers, [0, 1]: pass = (1-share)·t + share·t·B/b_ref "
+             "(0: no MoE term)",
+    "placement": "who places the experts: none (contiguous), static (planned once), eplb (SGLang's "
+                 "EPLB every --moe-eplb-period windows, stalls while weights move), omni (dynamic "
+                 "controller, migrates in the background), oracle (a floor)",
+    "model": "whose real router counts drive the load (olmoe: 64 experts top-8, mistral: 8 top-2)",
+    "ranks": "expert-parallel devices",
+    "redundant": "redundant expert slots per layer (ignored by none)",
+    "skew": "routing unevenness: each expert share p becomes p^skew renormalised (1: as recorded, "
+            "0: uniform)",
+    "window-steps": "forward passes per window of the drifting load",
+    "eplb-period": "windows between two EPLB rebalances",
+    "b-ref": "the imbalance the profile's pass times were measured at (1: balanced)",
+    "expert-bytes": "bytes of one expert's weights in one layer (0: the model's bf16 size)",
+    "layers": "MoE layers of the served model, whose experts all migrate (0: the counts model's)",
+    "migration-gb-s": "bandwidth expert weights move at, GB/s",
+    "seed": "seed of the drifting load",
+}
+ATTN_HELP = {
+    "compressed-fraction": "share of layers keeping only sink + recent KV (0: no pattern)",
+    "sink": "first tokens a compressed layer keeps",
+    "recent": "last tokens a compressed layer keeps",
+}
 
 
 def _time_scale(value: str) -> float:
@@ -58,7 +87,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="exit the process, as a crash, once a request has N output tokens (-1: off)")
     f.add_argument("--fault-first-byte-delay-s", type=float, default=0.0, metavar="S",
                    help="hold each answer's first byte back S seconds; the work is not delayed")
+    s = p.add_argument_group("sparse techniques", "MoE expert imbalance and attention patterns; "
+                             "each flag overrides the profile's moe / attn_pattern value (off by default)")
+    for prefix, cls, helps in (("moe", MoeConfig, MOE_HELP), ("attn", AttnPattern, ATTN_HELP)):
+        for field in dataclasses.fields(cls):
+            name = field.name.replace("_", "-")
+            kind = type(field.default)
+            choices = {"placement": PLACEMENTS, "model": tuple(MOE_MODELS)}.get(field.name)
+            s.add_argument(f"--{prefix}-{name}", type=kind, default=None, choices=choices,
+                           metavar=None if choices else ("N" if kind is int else "X"),
+                           help=f"{helps[name]} (default: the profile's, else {field.default})")
     p.set_defaults(func=run)
+
+
+def sparse_from_args(args: argparse.Namespace, profile: Profile) -> Profile:
+    """``profile`` with the ``--moe-*`` / ``--attn-*`` flags given applied; ValueError names a bad one."""
+    out: dict[str, Any] = {}
+    for prefix, current in (("moe", profile.moe), ("attn", profile.attn_pattern)):
+        given = {f.name: getattr(args, f"{prefix}_{f.name}", None) for f in dataclasses.fields(current)}
+        given = {k: v for k, v in given.items() if v is not None}
+        try:
+            out[prefix] = dataclasses.replace(current, **given)
+        except ValueError as exc:
+            raise ValueError(f"--{prefix}-*: {exc}") from None
+    return profile.with_sparse(moe=out["moe"], attn_pattern=out["attn"])
 
 
 def faults_from_args(args: argparse.Namespace) -> Faults:
@@ -83,6 +135,11 @@ def run(args: argparse.Namespace) -> int:
             print("error: --max-total-tokens must be >= 1", file=sys.stderr)
             return 2
         profile = profile.with_capacity(max_total_tokens=args.max_total_tokens)
+    try:
+        profile = sparse_from_args(args, profile)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.kv_events_config is not None:
         try:
             parse_kv_events_config(args.kv_events_config)
@@ -99,12 +156,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from omniinfer.emulator.server import WorkerServer, serve_forever
 
-    server = WorkerServer(
-        profile, args.port, host=args.host, mode=args.disaggregation_mode,
-        bootstrap_port=args.disaggregation_bootstrap_port, time_scale=args.time_scale,
-        incremental_streaming_output=args.incremental_streaming_output,
-        kv_events_config=args.kv_events_config, faults=faults, request_log_size=args.request_log_size,
-    )
+    try:  # the MoE clock plans its first placement here (a PlacementError is a ValueError)
+        server = WorkerServer(
+            profile, args.port, host=args.host, mode=args.disaggregation_mode,
+            bootstrap_port=args.disaggregation_bootstrap_port, time_scale=args.time_scale,
+            incremental_streaming_output=args.incremental_streaming_output,
+            kv_events_config=args.kv_events_config, faults=faults, request_log_size=args.request_log_size,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         import uvloop
 

@@ -9,7 +9,10 @@ One asyncio task runs the loop an SGLang scheduler runs:
 2. Otherwise run one decode step for every running request; when the pool is full, the newest
    request is retracted (its KV freed, its prompt and output re-prefilled later).
 3. Each pass sleeps its cost-model time times ``time_scale``; ``model_time`` accumulates the
-   unscaled time, so tests can check the schedule without waiting.
+   unscaled time, so tests can check the schedule without waiting. With the profile's MoE term
+   on, every pass asks the MoE clock (``sparse.MoeClock``) for its factor and any EPLB stall:
+   ``duration = stall + factor · cost``; an attention pattern shrinks the KV each request
+   holds and reads (``kv_pool.py``, ``sparse.AttnPattern``).
 
 PD: in ``prefill`` mode a request stops after its first token and its KV stays held until the
 paired decode worker has pulled it (``wait_room``/``kv_fetched``); in ``decode`` mode a request
@@ -34,6 +37,7 @@ from omniinfer.emulator.kv_pool import KVPool
 from omniinfer.emulator.profile import Profile
 from omniinfer.emulator.radix_cache import RadixCache
 from omniinfer.emulator.request import EmuRequest, HeldKV
+from omniinfer.emulator.sparse import MoeClock
 from omniinfer.emulator.stats import EngineStats
 from omniinfer.emulator.tokenizer import EmulatedTokenizer
 
@@ -64,7 +68,8 @@ class EmulatedEngine:
         cap = profile.capacity
         use_cache = cap.decode_radix_cache if mode == "decode" else cap.radix_cache
         self.kv = KVPool(cap.max_total_tokens, RadixCache() if use_cache else None,
-                         cap.new_token_ratio, reserve_output=mode != "prefill")
+                         cap.new_token_ratio, reserve_output=mode != "prefill", pattern=profile.attn_pattern)
+        self.moe = MoeClock(profile.moe) if profile.moe.active else None
         self.waiting: collections.deque[EmuRequest] = collections.deque()
         self.running: list[EmuRequest] = []
         self.chunked: EmuRequest | None = None  # admitted, prefill not finished
@@ -139,7 +144,7 @@ class EmulatedEngine:
 
     def _check_fits(self, request: EmuRequest) -> None:
         need = len(request.input_ids) + max(request.max_new_tokens, 1)
-        if need > self.kv.capacity:
+        if self.kv.footprint(need) > self.kv.capacity:
             raise ValueError(f"the request needs {need} KV tokens, more than this worker's pool "
                              f"({self.kv.capacity})")
 
@@ -213,15 +218,15 @@ class EmulatedEngine:
         while True:
             batch = self._schedule_prefill()
             if batch:
-                duration = self.cost.prefill_time([item for _, item in batch], running=len(self.running))
-                await self._pass(loop, duration)
+                duration, stall = self._moe(self.cost.prefill_time([i for _, i in batch], len(self.running)))
+                await self._pass(loop, stall + duration)
                 self.stats.prefill_passes += 1
                 self.stats.prefill_busy_s += duration
                 self._after_prefill(batch)
             elif self.running:
-                kv = sum(len(r.input_ids) + len(r.output_ids) for r in self.running)
-                duration = self.cost.decode_time(len(self.running), kv)
-                await self._pass(loop, duration)
+                kv = sum(self.kv.footprint(len(r.input_ids) + len(r.output_ids)) for r in self.running)
+                duration, stall = self._moe(self.cost.decode_time(len(self.running), kv))
+                await self._pass(loop, stall + duration)
                 self.stats.decode_steps += 1
                 self.stats.decode_busy_s += duration
                 self._after_decode()
@@ -229,6 +234,13 @@ class EmulatedEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 self._wall_target = 0.0
+
+    def _moe(self, duration: float) -> tuple[float, float]:
+        """A pass's cost-model time under the MoE term, and the stall before it (model s)."""
+        if self.moe is None:
+            return duration, 0.0
+        step = self.moe.step(self.model_time)
+        return duration * step.factor, step.stall_s
 
     async def _pass(self, loop: asyncio.AbstractEventLoop, duration: float) -> None:
         """Sleep one pass on a virtual schedule, so event-loop lag does not accumulate."""
@@ -272,11 +284,11 @@ class EmulatedEngine:
             uncached = len(request._fill_ids) - match_len
             if batch and admitted_tokens + uncached > cap.max_prefill_tokens:
                 break
-            reserve = self.kv.output_reserve(request)
-            if uncached + reserve + self.kv.reserved_for(self._admitted()) > self.kv.available():
+            need = self.kv.admission_need(request, uncached, match_len)
+            if need + self.kv.reserved_for(self._admitted()) > self.kv.available():
                 break
             self.kv.lock(request, node)  # before allocating, so eviction cannot take the prefix
-            if not self.kv.allocate(request, uncached):  # cannot happen after the check above
+            if not self.kv.allocate(request, uncached, match_len):  # cannot happen after the check
                 self.kv.unlock(request)
                 break
             self.waiting.popleft()
@@ -298,8 +310,8 @@ class EmulatedEngine:
 
     def _admit_transferred(self, request: EmuRequest) -> bool:
         """Decode mode: reserve KV for a transferred prompt, then start the transfer."""
-        reserve = self.kv.output_reserve(request)
-        if len(request.input_ids) + reserve + self.kv.reserved_for(self._admitted()) > self.kv.available():
+        need = self.kv.admission_need(request, len(request.input_ids), 0)
+        if need + self.kv.reserved_for(self._admitted()) > self.kv.available():
             return False
         if not self.kv.allocate(request, len(request.input_ids)):
             return False

@@ -5,7 +5,10 @@ A profile is a YAML file (shipped ones live in ``profiles/``) with four sections
 ``model``     what /model_info and /server_info report (path, type, context length, vocab);
 ``capacity``  the scheduler's limits (KV pool size, chunked-prefill budget, running requests);
 ``cost``      the coefficients of :class:`LinearCostModel` (model seconds);
-``transfer``  the KV-transfer bandwidth model used in PD mode.
+``transfer``  the KV-transfer bandwidth model used in PD mode;
+
+and two optional ones, off when absent (``sparse.py``): ``moe`` (:class:`MoeConfig`, the expert
+imbalance term) and ``attn_pattern`` (:class:`AttnPattern`, compressed attention layers).
 
 Every shipped profile writes the source of each number beside it as a YAML comment.
 """
@@ -21,6 +24,7 @@ from typing import Any
 import yaml
 
 from omniinfer.emulator.base import CostModel, PrefillItem
+from omniinfer.emulator.sparse import AttnPattern, MoeConfig
 
 
 class ProfileError(ValueError):
@@ -82,9 +86,15 @@ class Profile:
     capacity: Capacity
     cost: CostCoefficients
     transfer: Transfer
+    moe: MoeConfig = dataclasses.field(default_factory=MoeConfig)
+    attn_pattern: AttnPattern = dataclasses.field(default_factory=AttnPattern)
 
     def cost_model(self) -> LinearCostModel:
-        return LinearCostModel(self.cost, self.transfer)
+        return LinearCostModel(self.cost, self.transfer, self.attn_pattern)
+
+    def with_sparse(self, moe: MoeConfig | None = None, attn_pattern: AttnPattern | None = None) -> Profile:
+        """This profile with its MoE and/or attention-pattern settings replaced."""
+        return dataclasses.replace(self, moe=moe or self.moe, attn_pattern=attn_pattern or self.attn_pattern)
 
     def with_cost(self, **changes: float) -> Profile:
         return dataclasses.replace(self, cost=dataclasses.replace(self.cost, **changes))
@@ -102,30 +112,39 @@ class LinearCostModel(CostModel):
     """Pass times linear in tokens, requests and attended KV (plus a quadratic prefill term).
 
     prefill = base + per_running_request·running + Σ_req (per_request + per_token·n
-              + attention·n·(ctx + n/2))
+              + attention·pairs(n, ctx))
     decode  = base + per_request·batch + per_kv_token·Σ kv
-    transfer = latency + tokens·kv_bytes_per_token / bandwidth
+    transfer = latency + kv_tokens(tokens)·kv_bytes_per_token / bandwidth
+
+    ``pairs`` and ``kv_tokens`` are the attention pattern's (:class:`AttnPattern`): dense,
+    ``n·(ctx + n/2)`` and ``tokens``; with compressed layers, those layers' sink + recent share.
+    The engine passes ``Σ kv`` already through ``kv_tokens``, one request at a time.
     """
 
-    def __init__(self, cost: CostCoefficients, transfer: Transfer) -> None:
+    def __init__(self, cost: CostCoefficients, transfer: Transfer, pattern: AttnPattern | None = None) -> None:
         self.c = cost
         self.t = transfer
+        self.pattern = pattern or AttnPattern()
 
     def prefill_time(self, items: Sequence[PrefillItem], running: int = 0) -> float:
         c = self.c
         total = c.prefill_base_s + c.prefill_per_running_request_s * running
         for n, ctx in items:
             total += c.prefill_per_request_s + c.prefill_per_token_s * n
-            total += c.prefill_attention_s * n * (ctx + n / 2.0)
+            total += c.prefill_attention_s * self.pattern.attention_pairs(n, ctx)
         return total
 
-    def decode_time(self, batch_size: int, kv_tokens: int) -> float:
+    def decode_time(self, batch_size: int, kv_tokens: float) -> float:
         c = self.c
         return c.decode_base_s + c.decode_per_request_s * batch_size + c.decode_per_kv_token_s * kv_tokens
 
+    def kv_bytes(self, tokens: int) -> float:
+        """Bytes of the KV of ``tokens`` prompt tokens a PD transfer moves."""
+        return self.pattern.kv_tokens(tokens) * self.t.kv_bytes_per_token
+
     def transfer_time(self, tokens: int) -> float:
         t = self.t
-        return t.latency_s + tokens * t.kv_bytes_per_token / (t.bandwidth_gb_s * 1e9)
+        return t.latency_s + self.kv_bytes(tokens) / (t.bandwidth_gb_s * 1e9)
 
 
 def _section(cls: type, raw: Any, where: str) -> Any:
@@ -156,14 +175,15 @@ def _section(cls: type, raw: Any, where: str) -> Any:
         values[key] = value
     try:
         return cls(**values)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:  # a bad value of a sparse section says so (ValueError)
         raise ProfileError(f"{where}: {exc}") from None
 
 
 def profile_from_dict(raw: Any, source: str = "<profile>") -> Profile:
     if not isinstance(raw, dict):
         raise ProfileError(f"{source}: expected a YAML mapping at the top level")
-    unknown = sorted(set(raw) - {"name", "description", "model", "capacity", "cost", "transfer"})
+    unknown = sorted(set(raw) - {"name", "description", "model", "capacity", "cost", "transfer", "moe",
+                                 "attn_pattern"})
     if unknown:
         raise ProfileError(f"{source}: unknown section(s) {', '.join(unknown)}")
     model_raw = raw.get("model") or {}
@@ -177,6 +197,8 @@ def profile_from_dict(raw: Any, source: str = "<profile>") -> Profile:
         capacity=_section(Capacity, raw.get("capacity"), f"{source}: capacity"),
         cost=_section(CostCoefficients, raw.get("cost"), f"{source}: cost"),
         transfer=_section(Transfer, raw.get("transfer"), f"{source}: transfer"),
+        moe=_section(MoeConfig, raw.get("moe"), f"{source}: moe"),
+        attn_pattern=_section(AttnPattern, raw.get("attn_pattern"), f"{source}: attn_pattern"),
     )
     if profile.capacity.max_total_tokens < 1 or profile.capacity.chunked_prefill_size < 1:
         raise ProfileError(f"{source}: capacity.max_total_tokens and chunked_prefill_size must be >= 1")

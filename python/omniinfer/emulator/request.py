@@ -38,6 +38,7 @@ class EmuRequest:
     _fill_ids: list[int] = dataclasses.field(default_factory=list)  # what prefill must cover
     _prefilled: int = 0
     _private: int = 0  # KV tokens held outside the radix cache
+    _kv_len: int = 0  # KV tokens the request holds in all (cached prefix + private)
     _node: object = None  # locked radix node
     _seed: int = 0
     _last_ts: float = 0.0

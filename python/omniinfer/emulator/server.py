@@ -3,7 +3,8 @@
 Routes serve generation (``/generate``, ``/v1/completions``, ``/v1/chat/completions``) and
 control (``/abort_request``, ``/flush_cache``, health); the status bodies come from
 ``status.py``, ``/metrics`` from ``metrics.py``, PD pairing from ``pd.py``. The emulator's own
-routes live under ``/emulator/``: the fault switches and the request log (``faults.py``).
+routes live under ``/emulator/``: the fault switches and the request log (``faults.py``), and
+the sparse techniques' live state (``/emulator/sparse``, ``status.sparse``).
 Health probes that use SGLang's fake bootstrap host (2.2.2.2) skip the PD pairing.
 """
 
@@ -106,6 +107,7 @@ class WorkerServer:
         r.add_post("/emulator/faults", self.set_faults)
         r.add_delete("/emulator/faults", self.clear_faults)
         r.add_get("/emulator/requests", self.requests_log)
+        r.add_get("/emulator/sparse", self.sparse)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -442,6 +444,9 @@ class WorkerServer:
 
     async def server_info(self, _http: web.Request) -> web.Response:
         return _json(status.server_info(self.info, self.engine))
+
+    async def sparse(self, _http: web.Request) -> web.Response:
+        return _json(status.sparse(self.info, self.engine))
 
     async def loads(self, http: web.Request) -> web.Response:
         body, code = status.loads(self.info, self.engine, http.query.get("include"))

@@ -2,6 +2,8 @@
 
 Pure functions of the worker's identity and its engine's state, in SGLang 0.5.23's shapes
 (the capture in ``test/emulator/sglang_0.5.23_capture.json`` is what the tests compare with).
+/server_info also carries the emulator's own ``emulator_sparse`` block (:func:`sparse`), which
+``GET /emulator/sparse`` serves alone.
 """
 
 from __future__ import annotations
@@ -83,6 +85,15 @@ def _server_args(info: WorkerInfo) -> dict[str, Any]:
     return template
 
 
+def sparse(info: WorkerInfo, engine: EmulatedEngine) -> dict[str, Any]:
+    """The MoE and attention-pattern settings with their live figures: the MoE clock's window,
+    B, rebalances, experts and bytes moved, stalls; the pattern's compressed-layer tokens held."""
+    moe = engine.moe.status() if engine.moe is not None else info.profile.moe.as_dict()
+    pattern = {**info.profile.attn_pattern.as_dict(), "window_tokens_held": engine.kv.window_tokens,
+               "pool_used": engine.kv.used(), "pool_capacity": engine.kv.capacity}
+    return {"moe": moe, "attn_pattern": pattern}
+
+
 def server_info(info: WorkerInfo, engine: EmulatedEngine) -> dict[str, Any]:
     body = _server_args(info)
     internal = {k: v for k, v in body.items() if k not in ("internal_states", "version", "frontend",
@@ -96,6 +107,7 @@ def server_info(info: WorkerInfo, engine: EmulatedEngine) -> dict[str, Any]:
         "world_size": 1, "last_gen_throughput": engine.gen_throughput(),
     })
     body["internal_states"] = [internal]
+    body["emulator_sparse"] = sparse(info, engine)
     body["startup_time"] = {"load_weight": 0.0, "kv_cache_allocation": 0.0, "scheduler_e2e": 0.0,
                             "tokenizer_e2e": 0.0}
     body["status"] = "ready"
