@@ -20,13 +20,16 @@ def attn_lines(prefill_url: str, decode_url: str) -> list[str]:
         return ["OmniAttn: off (no pattern)"]
     pools = decode["pools"]
     full, comp = pools["full"], pools["compressed"]
-    baseline = pools.get("uncompressed_bytes_for_max_total_tokens")
+    read, full_read = decode.get("compressed_keys_read", 0), decode.get(
+        "compressed_keys_full_attention", 0)
+    share = f"{100 * read / full_read:.0f} %" if full_read else "n/a"
     lines = [f"OmniAttn (decode server): {comp['layers']} of {full['layers'] + comp['layers']} "
              f"layers compressed (sink {decode['pattern']['sink']} + recent "
-             f"{decode['pattern']['recent']}); KV pools {(full['bytes'] + comp['bytes']) / 2**20:.0f}"
-             f" MiB" + (f" for the tokens {baseline / 2**20:.0f} MiB hold without a pattern"
-                        if baseline else "") + f"; {decode['tokens_freed']} compressed slots "
-             "freed early"]
+             f"{decode['pattern']['recent']}); KV pools {full['tokens']} full-layer and "
+             f"{comp['tokens']} compressed-layer token slots in the memory of "
+             f"{pools.get('max_total_tokens') or full['tokens']} unpatterned tokens; compressed "
+             f"layers read {share} of the keys full attention would; {decode['tokens_freed']} "
+             "compressed slots freed early"]
     sent = _get(prefill_url + "/omni/attn").get("pd_transfer")
     if sent:
         lines.append(f"OmniAttn (PD transfer): {sent['requests']} requests, "
@@ -61,6 +64,9 @@ def placement_lines(decode_url: str) -> list[str]:
              "expert-parallel ranks)"]
     first = next((d for d in decisions if d.get("adopted_layers")), None)
     if first is not None:
-        lines.append(f"OmniPlacement: imbalance max/mean per layer {first['b_before']} before, "
-                     f"{first['b_after_planned']} planned after (pass {first['pass']})")
+        before, after = first["b_before"], first["b_after_planned"]
+        lines.append(f"OmniPlacement: expert-load imbalance (busiest rank / mean) over "
+                     f"{len(before)} layers, mean {sum(before) / len(before):.3f} (worst "
+                     f"{max(before):.3f}) before, {sum(after) / len(after):.3f} (worst "
+                     f"{max(after):.3f}) planned after (pass {first['pass']})")
     return lines

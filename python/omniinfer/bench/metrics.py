@@ -83,7 +83,9 @@ def format_table(summary: dict[str, float | int | None], title: str = "Benchmark
         ("Mean / P99 TTFT (ms)", f"{fmt(summary['mean_ttft_ms'], 1)} / {fmt(summary['p99_ttft_ms'], 1)}"),
         ("Mean / P99 TPOT (ms)", f"{fmt(summary['mean_tpot_ms'], 1)} / {fmt(summary['p99_tpot_ms'], 1)}"),
         ("Mean E2E latency (ms)", fmt(summary["mean_e2e_latency_ms"], 1)),
-        ("Goodput under SLO (QPM)", fmt(summary["goodput_requests_per_minute"])),
+        (f"Goodput, TTFT < {summary.get('slo_ttft_s', 2.0):g} s & TPOT < "
+         f"{1000 * float(summary.get('slo_tpot_s') or 0.05):g} ms (QPM)",
+         fmt(summary["goodput_requests_per_minute"])),
     ]
     if summary.get("cached_token_share") is not None:
         rows.append(("Prompt tokens from cache", f"{summary['cached_token_share']:.1%}"))
