@@ -72,10 +72,18 @@ ROWS = (Row("full", "oas", "omni", True), Row("no_placement", "oas", "none", Tru
 
 
 def emulator_flags(row: Row, args: argparse.Namespace) -> list[str]:
-    """The emulator flags of one row: the MoE term always on (its placement is what varies),
-    the pattern term on or off."""
+    """The emulator flags of one row, the same on prefill and decode workers: the MoE term is
+    always on (what varies is the placement: ``omni`` with ``--moe-redundant`` spare slots, or
+    contiguous experts without spares), the pattern term on or off. The values are the shipped
+    ascend profiles' commented ``moe`` / ``attn_pattern`` blocks, except that both roles use
+    ``--moe-ranks`` ranks (the decode block's 80 ranks do not divide OLMoE's 64 experts, which
+    the contiguous layout needs)."""
+    redundant = args.moe_redundant if row.placement != "none" else 0
     flags = ["--moe-share", f"{args.moe_share:g}", "--moe-placement", row.placement,
-             "--moe-model", args.moe_model, "--moe-skew", f"{args.moe_skew:g}"]
+             "--moe-model", args.moe_model, "--moe-skew", f"{args.moe_skew:g}",
+             "--moe-ranks", str(args.moe_ranks), "--moe-redundant", str(redundant),
+             "--moe-expert-bytes", "44040192", "--moe-layers", "58",
+             "--moe-migration-gb-s", "313.6", "--moe-seed", str(args.seed)]
     if row.pattern:
         flags += ["--attn-compressed-fraction", f"{args.attn_fraction:g}",
                   "--attn-sink", str(args.attn_sink), "--attn-recent", str(args.attn_recent)]
@@ -93,7 +101,7 @@ def emulator_status(cluster: EmulatedCluster) -> dict[str, Any]:
                 info = json.loads(r.read())
         except OSError:
             continue
-        out[url] = {k: v for k, v in info.items() if k.startswith(("omni_emulator", "moe", "attn"))}
+        out[url] = info.get("emulator_sparse")
     return out
 
 
@@ -213,10 +221,13 @@ def main() -> int:
     p.add_argument("--output-scale", type=float, default=0.05)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--peer-policies", default=",".join(PEER_POLICIES))
-    p.add_argument("--moe-share", type=float, default=0.4)
+    p.add_argument("--moe-share", type=float, default=0.55,
+                   help="routed experts' share of a pass (R1: 20.4B of 37B active parameters)")
+    p.add_argument("--moe-ranks", type=int, default=32)
+    p.add_argument("--moe-redundant", type=int, default=32)
     p.add_argument("--moe-model", default="olmoe")
     p.add_argument("--moe-skew", type=float, default=1.0)
-    p.add_argument("--attn-fraction", type=float, default=0.4)
+    p.add_argument("--attn-fraction", type=float, default=0.5)
     p.add_argument("--attn-sink", type=int, default=128)
     p.add_argument("--attn-recent", type=int, default=384)
     p.add_argument("--slo-ttft", type=float, default=2.0)
