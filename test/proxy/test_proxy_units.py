@@ -27,8 +27,8 @@ from omniinfer.proxy.base import (
 from omniinfer.proxy.circuit import BreakerState, CircuitBreaker
 from omniinfer.proxy.cli import add_arguments, resolve
 from omniinfer.proxy.config import RouterConfig, config_from_args, parse_prefill
-from omniinfer.proxy.lifecycle import PHASE_NAMES, Lifecycle, Phase
 from omniinfer.proxy.prefix import PrefixIndex, block_hashes
+from omniinfer.proxy.request import PHASE_NAMES, Lifecycle, Phase
 from omniinfer.proxy.tokenization import (
     ApproxTokenizer,
     BadRequest,

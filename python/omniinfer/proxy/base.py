@@ -16,7 +16,7 @@ import dataclasses
 import importlib
 import pkgutil
 from collections.abc import Callable, Sequence
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.prefix import PrefixIndex
@@ -47,9 +47,10 @@ class RouteRequest:
 
 @dataclasses.dataclass(slots=True)
 class Decision:
+    """The worker a policy chose and why (the reason is a metric label: a few fixed words)."""
+
     worker: Worker
     reason: str
-    scores: dict[str, float] | None = None
 
 
 @dataclasses.dataclass
@@ -72,7 +73,11 @@ def least_loaded(workers: Sequence[Worker]) -> Worker:
 
 
 class PolicyHooks:
-    """Optional hooks; the router calls them on the policy of the worker's role."""
+    """Optional hooks; the router calls them on the policy of the worker's role.
+
+    For one request and worker, ``on_dispatch`` is followed by exactly one ``on_complete``; a
+    decision never dispatched gets ``on_cancelled`` instead (all called from ``attempt.py``).
+    """
 
     def on_dispatch(self, request: RouteRequest, worker: Worker) -> None:
         """The request was sent to ``worker``."""
@@ -108,6 +113,10 @@ class Policy(PolicyHooks, abc.ABC):
     async def schedule(self, request: RouteRequest, workers: list[Worker]) -> Decision | None:
         """Pick at once; None if no worker can take it. Deferring policies override this."""
         return self.pick(request, workers) if workers else None
+
+    def describe(self) -> dict[str, Any] | None:
+        """The policy's state for /list_workers (``policy_state``); None: nothing to show."""
+        return None
 
 
 _REGISTRY: dict[str, type[Policy]] = {}

@@ -1,7 +1,9 @@
 """Router state and its background work: workers, policies, prefix indexes, health, loads.
 
-The per-request flow (regular and PD forwarding) is in ``forward.py``; HTTP routes in
-``server.py``. Everything runs on one asyncio loop; shared state is only touched from it.
+The per-request flow is in ``forward.py`` (one ``Request``, ``request.py``) and its attempts in
+``attempt.py``, which alone books workers for a request and gives the bookings back; HTTP
+routes in ``server.py``. Everything runs on one asyncio loop; shared state is only touched from
+it.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ import aiohttp
 import orjson
 
 from omniinfer.proxy.admission import Admission
-from omniinfer.proxy.base import Policy, PolicyContext, RouteRequest, create_policy
+from omniinfer.proxy.base import Policy, PolicyContext, create_policy
 from omniinfer.proxy.circuit import CircuitBreaker
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.http1 import Http1Pool
 from omniinfer.proxy.kv_subscriber import CacheTruth, parse_endpoint_overrides
+from omniinfer.proxy.listener import Listener
 from omniinfer.proxy.metrics import AccessLog, ProxyMetrics
 from omniinfer.proxy.prefix import PrefixIndex, block_hashes
 from omniinfer.proxy.tokenization import (
@@ -85,9 +88,13 @@ class Router:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[Any]] = []
         self._loop_ref: asyncio.AbstractEventLoop | None = None
-        self.listener: Any = None  # the guarded listening socket, once serving (server.py)
+        self.listener: Listener | None = None  # the guarded listening socket (serve_on)
 
     # ---- set-up -----------------------------------------------------------------------------
+    def serve_on(self, listener: Listener) -> None:
+        """The guarded listening socket the router serves on (its counters go in describe)."""
+        self.listener = listener
+
     def roles(self) -> tuple[Role, ...]:
         return (Role.PREFILL, Role.DECODE) if self.pd else (Role.REGULAR,)
 
@@ -204,23 +211,6 @@ class Router:
         loop = self._loop_ref
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._tokenize_slots.release)
-
-    def dispatch(self, route: RouteRequest, worker: Worker, tokens: int) -> None:
-        worker.inflight_requests += 1
-        worker.inflight_tokens += tokens
-        worker.total_requests += 1
-        if not self.cache_truth.follows(worker):  # else the worker's KV events fill its index
-            self.indexes[worker.role].insert(worker.url, route.block_hashes)
-        else:  # and what was just sent counts until those events report its prefill
-            self.cache_truth.expect(worker, route.block_hashes)
-        policy = self.policies[worker.role]
-        policy.context.observe_request_tokens(tokens)
-        policy.on_dispatch(route, worker)
-
-    def undispatch(self, route: RouteRequest, worker: Worker, tokens: int, ok: bool) -> None:
-        worker.inflight_requests -= 1
-        worker.inflight_tokens -= tokens
-        self.policies[worker.role].on_complete(route, worker, ok)
 
     def record_failure(self, worker: Worker, kind: str) -> None:
         worker.breaker.record_failure(time.monotonic())
@@ -415,8 +405,8 @@ class Router:
                           "queue_size": self.config.queue_size},
             "connections": self.listener.describe() if self.listener is not None else None,
             "workers": [w.describe() for w in self.pool.all()],
-            "policy_state": {role.value: p.describe() for role, p in self.policies.items()
-                             if hasattr(p, "describe")},
+            "policy_state": {role.value: state for role, p in self.policies.items()
+                             if (state := p.describe()) is not None},
             "tables": self.table_sizes(),
         }
 

@@ -6,43 +6,29 @@ when the workers failed). Failures before any byte reached the client are retrie
 worker after the failed one was told to abort; after that the stream ends with one error event.
 The router names each request on the workers with rids of its own (fixed length, so none is a
 prefix of another: SGLang aborts by prefix); the client's rid stays in the access log and in the
-``X-Client-Rid`` header. Upstream I/O is in ``upstream.py``, the PD pairing in ``pd.py``.
+``X-Client-Rid`` header. The request is one ``Request`` (``request.py``); its attempts are
+``attempt.py``'s loop with the mode's strategy (``regular.py``, ``pd.py``); upstream I/O is in
+``upstream.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 from aiohttp import web
 
-from omniinfer.proxy.accuracy import (
-    cached_tokens_in,
-    reported_cached_tokens,
-    reported_from_stream,
-)
 from omniinfer.proxy.admission import Rejected
-from omniinfer.proxy.attempts import backoff, decided, no_worker, note_prediction
+from omniinfer.proxy.attempt import route
 from omniinfer.proxy.auth import error_response
 from omniinfer.proxy.base import RouteRequest
 from omniinfer.proxy.core import Router
-from omniinfer.proxy.lifecycle import Lifecycle, Phase
-from omniinfer.proxy.pd import pd
+from omniinfer.proxy.pd import PD
 from omniinfer.proxy.prefix import block_hashes
+from omniinfer.proxy.regular import Regular
+from omniinfer.proxy.request import Phase, Request
 from omniinfer.proxy.tokenization import BadRequest, output_budget, parse_body, prompt_tokens
-from omniinfer.proxy.upstream import (
-    UPSTREAM_PATHS,
-    Exchange,
-    Passthrough,
-    UpstreamFailure,
-    count_output,
-    first_chunk,
-    pipe,
-    post,
-    read_all,
-)
 from omniinfer.proxy.workers import Role
 
 log = logging.getLogger("omniinfer.proxy")
@@ -56,11 +42,11 @@ class BodyTimeout(Exception):
 
 
 async def handle(router: Router, request: web.Request, endpoint: str) -> web.StreamResponse:
-    life = Lifecycle(router.new_request_id())
-    status, record = 500, {"id": life.request_id, "endpoint": endpoint}
+    req = Request(router.new_request_id(), endpoint)
+    status = 500
     try:
         try:
-            exchange = await _prepare(router, request, endpoint, life, record)
+            await _prepare(router, request, req)
         except BadRequest as exc:
             status = 400
             return error_response(400, str(exc))
@@ -70,7 +56,8 @@ async def handle(router: Router, request: web.Request, endpoint: str) -> web.Str
         except web.HTTPRequestEntityTooLarge:
             status = 413
             return error_response(413, f"body larger than {router.config.max_payload_size} bytes")
-        response = await _admitted(router, request, exchange)
+        strategy = (PD if router.pd else Regular)(router, request, req)
+        response = await route(router, strategy)
         status = response.status
         return response
     except asyncio.CancelledError:
@@ -84,11 +71,10 @@ async def handle(router: Router, request: web.Request, endpoint: str) -> web.Str
         router.metrics.rejected.labels(exc.reason).inc()
         return error_response(503, str(exc), "overloaded", retry_after=exc.retry_after)
     finally:
-        life.finish()
-        record["status"] = status
-        router.metrics.observe(endpoint, status, life)
+        req.finish(status)
+        router.metrics.observe(endpoint, status, req.life)
         if router.access_log is not None:
-            _log_access(router, record, life)
+            router.access_log.write(req.access_record())
 
 
 async def _read_body(router: Router, request: web.Request) -> bytes:
@@ -127,8 +113,9 @@ def _client_rid_header(rid: Any) -> str | None:
     return None
 
 
-async def _prepare(router: Router, request: web.Request, endpoint: str, life: Lifecycle,
-                   record: dict[str, Any]) -> Exchange:
+async def _prepare(router: Router, request: web.Request, req: Request) -> None:
+    """Read, parse and tokenize the body, match its blocks: ``req`` prepared, or BadRequest."""
+    endpoint, life = req.endpoint, req.life
     raw = await _read_body(router, request)
     life.enter(Phase.TOKENIZE, life.arrival)
     size = router.config.apc_block_size
@@ -143,7 +130,6 @@ async def _prepare(router: Router, request: web.Request, endpoint: str, life: Li
         raise
     except (TypeError, ValueError, RecursionError, OverflowError) as exc:
         raise BadRequest(f"the prompt cannot be tokenized: {exc}") from None
-    stream = body.get("stream", False)
     if len(prompts) > MAX_BATCH:
         raise BadRequest(f"at most {MAX_BATCH} prompts per request")
     if router.pd and _samples(endpoint, body) != 1:
@@ -151,97 +137,11 @@ async def _prepare(router: Router, request: web.Request, endpoint: str, life: Li
     life.enter(Phase.APC_MATCHING)
     budget = min(MAX_OUTPUT_TOKENS, output_budget(endpoint, body,
                                                   router.config.default_max_new_tokens))
-    route = RouteRequest(life.request_id, sum(map(len, prompts)), budget * len(prompts), hashes,
+    route = RouteRequest(req.id, sum(map(len, prompts)), budget * len(prompts), hashes,
                          size, arrival=life.arrival, endpoint=endpoint)
     route.matched_blocks = router.indexes[Role.PREFILL if router.pd else Role.REGULAR].match(
         hashes)
-    client_rid = body.get("rid")
-    record.update(stream=stream, prompt_tokens=route.prompt_tokens, batch=len(prompts))
-    if client_rid is not None:
-        record["client_rid"] = client_rid
-    headers = {}
-    echoed = _client_rid_header(client_rid)
+    req.prepare(body, len(prompts), route)
+    echoed = _client_rid_header(req.client_rid)
     if echoed is not None:
-        headers["X-Client-Rid"] = echoed
-    return Exchange(endpoint, body, stream, len(prompts), life, route, record, headers)
-
-
-async def _admitted(router: Router, request: web.Request, ex: Exchange) -> web.StreamResponse:
-    ex.life.enter(Phase.PREFILL_WAITING)
-    await router.admission.acquire()
-    try:
-        if router.pd:
-            return await pd(router, request, ex)
-        return await _regular(router, request, ex)
-    finally:
-        router.admission.release()
-
-
-async def _regular(router: Router, request: web.Request, ex: Exchange) -> web.StreamResponse:
-    policy, tried, failure = router.policies[Role.REGULAR], [], None
-    path = UPSTREAM_PATHS[ex.endpoint]
-    for attempt in range(router.config.max_attempts):
-        workers = router.pool.candidates(Role.REGULAR, time.monotonic(), tried)
-        decision = await policy.schedule(ex.route, workers) if workers else None
-        if decision is None:
-            break
-        worker = decision.worker
-        decided(router, Role.REGULAR, ex, decision, attempt)
-        rids = router.new_rids(ex.batch)
-        payload = ex.payload(rids)
-        cost = ex.route.uncached_tokens(worker) + ex.route.output_tokens
-        router.dispatch(ex.route, worker, cost)
-        ok = False
-        try:
-            ex.life.enter(Phase.PREFILL_SCHEDULED)
-            posted = time.perf_counter()
-            resp = await post(router, worker, path, payload, ex.stream)
-            ex.life.enter(Phase.PREFILL_RUNNING)
-            if ex.stream:
-                first = await first_chunk(router, resp, worker)
-                # the first event is the end of this request's prefill: the policy's clock of
-                # that instance closes it now, not when the whole answer is back
-                policy.on_prefill_done(ex.route, worker, time.perf_counter() - posted)
-                out = await pipe(router, request, ex, resp, first, worker)
-                note_prediction(router, ex, worker, reported_from_stream(first, ex.tail))
-            else:
-                data = await read_all(resp, worker)
-                worker.breaker.record_success()
-                answer = count_output(ex, data)
-                out = web.Response(body=data, headers=ex.headers,
-                                   content_type=resp.content_type or "application/json")
-                note_prediction(router, ex, worker, reported_cached_tokens(data)
-                                if answer is None else cached_tokens_in(answer))
-            ok = True
-            return out
-        except Passthrough as p:
-            ok = True
-            return p.response
-        except UpstreamFailure as f:
-            failure = f
-            tried.append(worker)
-            router.record_failure(worker, f.kind)
-            router.abort(worker, rids, f.kind)  # before any retry: the work must not run twice
-            ex.record.setdefault("failures", []).append(f"{worker.url}: {f}")
-            if not f.retryable:
-                break
-            if attempt + 1 < router.config.max_attempts:
-                router.metrics.retries.labels("regular", f.kind).inc()
-                await backoff(router, attempt)
-        except (asyncio.CancelledError, ConnectionResetError):
-            router.abort(worker, rids, "client_disconnected")
-            ex.record["error"] = "client disconnected"
-            raise
-        finally:
-            router.undispatch(ex.route, worker, cost, ok)
-    return no_worker(failure)
-
-
-def _log_access(router: Router, record: dict[str, Any], life: Lifecycle) -> None:
-    record["arrival"] = round(life.arrival_wall, 6)
-    record["phases"] = life.timestamps()
-    record["durations"] = {k: round(v, 6) for k, v in life.durations().items()}
-    ttft, e2e, tpot = life.ttft(), life.e2e(), life.tpot()
-    record.update(ttft=ttft, e2e=e2e, tpot=tpot)
-    assert router.access_log is not None
-    router.access_log.write(record)
+        req.headers["X-Client-Rid"] = echoed

@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from omniinfer.proxy.accuracy import Tally
-from omniinfer.proxy.lifecycle import PHASE_NAMES, Lifecycle
+from omniinfer.proxy.request import PHASE_NAMES, Lifecycle
 from omniinfer.proxy.workers import Worker, WorkerPool
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,

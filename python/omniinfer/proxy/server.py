@@ -243,7 +243,7 @@ async def open_router(config: RouterConfig) -> Serving:
     assert runner.server is not None
     listener = Listener(runner.server, config.max_connections, config.client_header_timeout_secs,
                         config.client_write_timeout_secs)
-    router.listener = listener
+    router.serve_on(listener)
     await listener.start(config.host, config.port)
     extra = None
     if config.prometheus_port:

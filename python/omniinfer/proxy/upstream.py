@@ -13,16 +13,14 @@ worker's own 4xx raises ``Passthrough`` and goes to the client as is.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
 
-from omniinfer.proxy.base import RouteRequest
 from omniinfer.proxy.http1_response import Response, UpstreamTooLarge
-from omniinfer.proxy.lifecycle import Lifecycle
+from omniinfer.proxy.request import Request
 from omniinfer.proxy.workers import Worker
 
 if TYPE_CHECKING:
@@ -46,38 +44,11 @@ class UpstreamFailure(Exception):
 
 
 class Passthrough(Exception):
-    """A worker refused the request itself (4xx): its answer goes to the client as is."""
+    """``worker`` refused the request itself (4xx): its answer goes to the client as is."""
 
-    def __init__(self, response: web.Response) -> None:
+    def __init__(self, response: web.Response, worker: Worker) -> None:
         self.response = response
-
-
-@dataclasses.dataclass
-class Exchange:
-    """One client request as the router forwards it; ``rids`` are the router's, per attempt."""
-
-    endpoint: str
-    body: dict[str, Any]
-    stream: bool
-    batch: int
-    life: Lifecycle
-    route: RouteRequest
-    record: dict[str, Any]
-    headers: dict[str, str]  # added to the client's answer (the rids)
-    rids: list[str] = dataclasses.field(default_factory=list)
-    client_sent: bool = False
-    output_events: int = 0
-    tail: bytes = b""
-
-    def payload(self, rids: list[str], extra: dict[str, Any] | None = None) -> bytes:
-        """The body for the workers with the router's rid(s) (never the client's)."""
-        self.rids = rids
-        self.record.setdefault("worker_rids", []).append(rids[0] if self.batch == 1 else rids)
-        body = dict(self.body)
-        body["rid"] = rids[0] if self.batch == 1 else rids
-        if extra:
-            body.update(extra)
-        return orjson.dumps(body)
+        self.worker = worker
 
 
 def _failure(worker: Worker, kind: str, exc: BaseException) -> UpstreamFailure:
@@ -118,7 +89,8 @@ async def post(router: Router, worker: Worker, path: str, payload: bytes,
         if resp.status in (401, 403):  # the router's key, not the client's fault
             raise UpstreamFailure(worker, "auth", f"HTTP {resp.status}: check --api-key")
         raise Passthrough(web.Response(status=resp.status, body=data,
-                                       content_type=resp.content_type or "application/json"))
+                                       content_type=resp.content_type or "application/json"),
+                          worker)
     return resp
 
 
@@ -147,13 +119,13 @@ async def read_all(resp: Response, worker: Worker) -> bytes:
         resp.release()
 
 
-def count_output(ex: Exchange, data: bytes) -> Any:
+def count_output(req: Request, data: bytes) -> Any:
     """Output tokens from the final meta_info/usage; else the number of stream events.
 
     Returns a non-streamed answer's decoded JSON (None if it is none), so that it is read once."""
     count, answer = 0, None
     try:
-        if ex.stream:
+        if req.stream:
             for line in reversed(data.split(b"\n")):
                 line = line.strip()
                 if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
@@ -164,8 +136,7 @@ def count_output(ex: Exchange, data: bytes) -> Any:
             count = completion_tokens(answer)
     except (orjson.JSONDecodeError, ValueError):
         count = 0
-    ex.life.output_tokens = count or max(0, ex.output_events - 1 if ex.stream else 0)
-    ex.record["output_tokens"] = ex.life.output_tokens
+    req.counted(count or max(0, req.output_events - 1 if req.stream else 0))
     return answer
 
 
@@ -181,19 +152,18 @@ def completion_tokens(obj: Any) -> int:
     return 0
 
 
-async def pipe(router: Router, request: web.Request, ex: Exchange, resp: Response,
+async def pipe(router: Router, request: web.Request, req: Request, resp: Response,
                first: bytes, worker: Worker,
                on_upstream_error: Callable[[], Any] | None = None) -> web.StreamResponse:
     """Send the upstream stream to the client; a mid-stream failure ends it with one error."""
     out = web.StreamResponse(status=200, headers={
         "Content-Type": resp.headers.get("content-type", "text/event-stream"),
-        "Cache-Control": "no-cache", **ex.headers})
+        "Cache-Control": "no-cache", **req.headers})
     idle = router.config.upstream_idle_timeout_secs
     try:
         await out.prepare(request)
-        ex.client_sent = True
-        ex.life.token()
-        ex.output_events = first.count(b"data:")
+        req.life.token()
+        req.output_events = first.count(b"data:")
         tail = first
         await out.write(first)
         while True:
@@ -202,8 +172,8 @@ async def pipe(router: Router, request: web.Request, ex: Exchange, resp: Respons
             except UPSTREAM_ERRORS as exc:
                 kind = "idle_timeout" if isinstance(exc, asyncio.TimeoutError) else "mid_stream"
                 router.record_failure(worker, kind)
-                ex.record["error"] = f"{worker.url} failed mid-stream: {exc.__class__.__name__}"
-                router.abort(worker, ex.rids, kind)
+                req.error = f"{worker.url} failed mid-stream: {exc.__class__.__name__}"
+                router.abort(worker, req.rids, kind)
                 if on_upstream_error is not None:
                     on_upstream_error()
                 message = {"error": {"message": f"upstream worker failed mid-stream "
@@ -215,12 +185,12 @@ async def pipe(router: Router, request: web.Request, ex: Exchange, resp: Respons
             if not chunk:
                 worker.breaker.record_success()
                 break
-            ex.output_events += chunk.count(b"data:")
+            req.output_events += chunk.count(b"data:")
             tail = tail[-2048:] + chunk if len(chunk) < 4096 else chunk[-4096:]
             await out.write(chunk)
         await out.write_eof()
     finally:
         resp.close()
-    ex.tail = tail
-    count_output(ex, tail)
+    req.tail = tail
+    count_output(req, tail)
     return out

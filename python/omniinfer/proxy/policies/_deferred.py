@@ -174,10 +174,8 @@ class DeferringPolicy(Policy):
         self.clock(worker).on_sent(held.request.request_id,
                                    held.request.uncached_tokens(worker), self.now())
         self.released[release.reason] = self.released.get(release.reason, 0) + 1
-        scores = ({"estimate": float(release.estimate)}
-                  if isinstance(release.estimate, (int, float)) else None)
         if not held.future.done():
-            held.future.set_result(Decision(worker, release.reason, scores))
+            held.future.set_result(Decision(worker, release.reason))
         else:  # the client left between the decision and now: nothing was sent
             self.clock(worker).on_failed(held.request.request_id)
 
