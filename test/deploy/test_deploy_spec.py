@@ -133,7 +133,8 @@ for line in lines:
     if argv[2] == "sglang.launch_server":
         p = argparse.ArgumentParser(); ServerArgs.add_cli_args(p)
         ns = p.parse_args(argv[3:])
-        print("server", ns.disaggregation_mode, ns.omni_attn_pattern)
+        print("server", ns.disaggregation_mode, ns.omni_attn_pattern, ns.tp_size, ns.ep_size,
+              ns.enable_omni_placement, ns.ep_num_redundant_experts)
     else:
         p = argparse.ArgumentParser(); add_arguments(p)
         print("router", resolve(p.parse_args(argv[3:])).pd_disaggregation)
@@ -143,9 +144,10 @@ for line in lines:
                           text=True, timeout=300, env={**__import__("os").environ,
                                                        "SGLANG_USE_CPU_ENGINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    pattern = "python/omniinfer/attn/patterns/smollm2-135m.json"
-    assert done.stdout.split("\n")[:3] == [f"server prefill {pattern}",
-                                            f"server decode {pattern}", "router True"]
+    pattern = "python/omniinfer/attn/patterns/smollm2-135m-moe.json"
+    system = f"{pattern} 2 2 True 2"  # the whole system: pattern, tp 2, ep 2, placement
+    assert done.stdout.split("\n")[:3] == [f"server prefill {system}",
+                                            f"server decode {system}", "router True"]
 
 
 def test_local_servers_get_the_cpu_engine_only_on_a_cpu(tmp_path: Path,
