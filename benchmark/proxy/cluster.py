@@ -34,18 +34,21 @@ class EmulatedCluster:
     regular (non-PD) ones (``profile``: one name, or one per mode ``{"prefill": ...,
     "decode": ...}``; each publishing its KV events if ``kv_events``, for a router with
     ``--cache-truth kv-events``); ``cache_extra`` goes to the workers with a prefix cache only
-    (prefill and regular), e.g. a smaller ``--max-total-tokens``."""
+    (prefill and regular), e.g. a smaller ``--max-total-tokens``, and ``decode_extra`` to the
+    decode workers only."""
 
     def __init__(self, n_prefill: int, n_decode: int, profile: str | dict[str, str],
                  time_scale: float,
                  log_dir: Path, extra: tuple[str, ...] = (), kv_events: bool = False,
-                 n_regular: int = 0, cache_extra: tuple[str, ...] = ()) -> None:
+                 n_regular: int = 0, cache_extra: tuple[str, ...] = (),
+                 decode_extra: tuple[str, ...] = ()) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         events = kv_events_args if kv_events else list
         keep = ["--request-log-size", "0"]  # the request log is for tests: no memory for it here
         profiles = profile if isinstance(profile, dict) else {}  # per mode, or one for all
         self.procs = [EmulatorProcess(mode, profiles.get(mode, profile), time_scale, extra_args=[
-                          *keep, *extra, *(cache_extra if mode != "decode" else ()), *events()],
+                          *keep, *extra, *(cache_extra if mode != "decode" else decode_extra),
+                          *events()],
                                       log_path=log_dir / f"{mode}{i}.log")
                       for mode, count in (("prefill", n_prefill), ("decode", n_decode),
                                           ("null", n_regular))

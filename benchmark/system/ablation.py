@@ -116,8 +116,10 @@ def run_row(row: Row, peer_policy: str, args: argparse.Namespace, requests: list
             log_dir: Path) -> dict[str, Any]:
     """One row once: its cluster, its router, the closed loop; summary in model time."""
     profiles = {"prefill": args.prefill_profile, "decode": args.decode_profile}
+    decode_kv = ("--max-total-tokens", str(args.decode_kv_tokens)) if args.decode_kv_tokens else ()
     cluster = EmulatedCluster(args.prefill, args.decode, profiles, args.time_scale,
-                              log_dir / row.name, extra=tuple(emulator_flags(row, args)))
+                              log_dir / row.name, extra=tuple(emulator_flags(row, args)),
+                              decode_extra=decode_kv)
     port = free_port()
     try:
         if row.router == "oas":
@@ -203,6 +205,36 @@ def plot(by_row: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+SENSITIVITY = (("moe_share", 0.5), ("moe_share", 1.5), ("moe_skew", 0.5), ("moe_skew", 1.5),
+               ("decode_kv_tokens", 0.5), ("decode_kv_tokens", 1.5))
+
+
+def sensitivity(args: argparse.Namespace, peer: str, requests: list[Any], log_dir: Path,
+                base: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    """Every row once more with one parameter moved by a factor; each row's goodput as a
+    multiple of the same run's ``none`` row, beside the main table's."""
+    out = []
+    for name, factor in tqdm(SENSITIVITY, desc="sensitivity"):
+        moved = argparse.Namespace(**vars(args))
+        value = getattr(args, name) or 0
+        setattr(moved, name, type(value)(value * factor))
+        runs = [run_row(row, peer, moved, requests, log_dir / f"{name}x{factor:g}") for row in ROWS]
+        for run in runs:
+            run["repeat"] = 0
+        _, by_row = table(runs, peer)
+        out.append({"parameter": name, "factor": factor, "value": getattr(moved, name),
+                    "x_none": {k: v.get("x_none") for k, v in by_row.items()}, "runs": runs})
+    names = [r.name for r in ROWS]
+    lines = [f"{'moved':<26}" + "".join(f"{n:>14}" for n in names)]
+    lines.append(f"{'(main table)':<26}" + "".join(
+        f"{base.get(n, {}).get('x_none', float('nan')):>14.2f}" for n in names))
+    for item in out:
+        label = f"{item['parameter']} x{item['factor']:g} ({item['value']:g})"
+        lines.append(f"{label:<26}" + "".join(
+            f"{(item['x_none'].get(n) or float('nan')):>14.2f}" for n in names))
+    return "\n".join(lines), out
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -230,6 +262,12 @@ def main() -> int:
     p.add_argument("--attn-fraction", type=float, default=0.5)
     p.add_argument("--attn-sink", type=int, default=128)
     p.add_argument("--attn-recent", type=int, default=384)
+    p.add_argument("--decode-kv-tokens", type=int, default=None,
+                   help="the decode workers' KV pool (--max-total-tokens); default: the "
+                   "profile's, which no run here fills")
+    p.add_argument("--sensitivity", action="store_true",
+                   help="then every row once more with the MoE share, the routing skew and the "
+                   "decode KV budget each moved by -50 %% and +50 %%")
     p.add_argument("--slo-ttft", type=float, default=2.0)
     p.add_argument("--slo-tpot", type=float, default=0.050)
     p.add_argument("--seed", type=int, default=0)
@@ -269,10 +307,24 @@ def main() -> int:
         {"meta": meta, "peer_selection": peer_runs, "runs": runs, "rows": by_row}, indent=1,
         default=str))
     plot(by_row, out / "ablation.png")
+    moved_text, moved = ("", [])
+    if args.sensitivity:
+        if not args.decode_kv_tokens:
+            raise SystemExit("--sensitivity moves the decode KV budget: give --decode-kv-tokens")
+        moved_text, moved = sensitivity(args, peer, requests, logs, by_row)
+        (out / "results.json").write_text(json.dumps(
+            {"meta": meta, "peer_selection": peer_runs, "runs": runs, "rows": by_row,
+             "sensitivity": moved}, indent=1, default=str))
     header = (f"Ablation: {args.prefill}P{args.decode}D emulated {args.prefill_profile}/"
               f"{args.decode_profile}, paper mix closed-loop c={args.concurrency}, "
               f"{args.repeats} repeat(s), SGLang router = smg 1.13 {peer} (best of "
               f"{', '.join(candidates)})")
+    share = by_row.get("none", {})
+    met = (share.get("goodput_requests_per_minute", {}).get("median", 0.0)
+           / max(1e-9, share.get("requests_per_minute", {}).get("median", 0.0)))
+    header += f"\nthe 'none' row meets the SLO for {met:.0%} of its requests"
+    if moved_text:
+        text += "\n\nSensitivity (goodput x the same run's 'none' row):\n" + moved_text
     print(header)
     print(text)
     (out / "table.txt").write_text(header + "\n" + text + "\n")
