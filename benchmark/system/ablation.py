@@ -126,8 +126,10 @@ def run_row(row: Row, peer_policy: str, args: argparse.Namespace, requests: list
             slo = args.slo_ttft * args.time_scale
             command = omni_router_command(omni_router_args(
                 cluster, "oas", "oas", ttft_slo_secs=slo, poll_s=1.0), port)
-        else:
-            decode = peer_policy if peer_policy != "bucket" else "round_robin"
+        else:  # bucket is prefill-only; one decode worker leaves no choice (smg refuses
+            # power_of_two over one): round_robin decodes then
+            alone = len(cluster.decode) == 1 or peer_policy == "bucket"
+            decode = "round_robin" if alone else peer_policy
             command = smg_router_command(cluster, peer_policy, decode, port)
         router = start_router(command, port, log_dir / f"{row.name}-router.log")
         try:
@@ -287,10 +289,16 @@ def main() -> int:
     runs: list[dict[str, Any]] = []
     peer_runs = []
     for policy in tqdm(candidates, desc="peer policies"):
-        peer_runs.append(run_row(ROWS[-1], policy, args, requests, logs))
+        try:
+            peer_runs.append(run_row(ROWS[-1], policy, args, requests, logs))
+        except RuntimeError as exc:  # a policy smg refuses here is no candidate
+            print(f"  smg:{policy:<14} FAILED: {str(exc)[:200]}", flush=True)
+            continue
         peer_runs[-1]["repeat"] = -1
         print(f"  smg:{policy:<14} goodput QPM "
               f"{peer_runs[-1]['summary']['goodput_requests_per_minute']:.0f}", flush=True)
+    if not peer_runs:
+        raise SystemExit("no peer policy ran")
     best = max(peer_runs, key=lambda r: r["summary"]["goodput_requests_per_minute"])
     peer = best["router"].split(":", 1)[1]
     for repeat in tqdm(range(args.repeats), desc="repeats"):
