@@ -3,11 +3,15 @@
 ``EmulatedCluster(n_prefill, n_decode, profile, time_scale)`` starts ``omniinfer
 emulate-worker`` processes (``EmulatorProcess``); ``router_command`` builds the command line of
 OmniProxy or of the upstream ``sglang_router`` for it; ``start_router`` runs one as a
-``ManagedProcess`` that is ready once a request went through it.
+``ManagedProcess`` that is ready once a request went through it. The Rust router a benchmark
+compares against (its peer) is ``smg`` 1.13 by default or ``sglang-router`` 0.3.2 (``PEERS``):
+``peer_router_command`` builds either, ``peer_targets`` names its policies (``smg:POLICY``,
+``sglang:POLICY``) and ``omni_poll_s`` gives OmniProxy smg's load-polling rate.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -19,8 +23,10 @@ from pathlib import Path
 from omniinfer.emulator.process import EmulatorProcess
 from omniinfer.launch import ManagedProcess, free_port
 
-__all__ = ["EmulatedCluster", "free_port", "omni_router_args", "omni_router_command",
-           "sglang_router_command", "smg_router_command", "start_router"]
+__all__ = ["PEERS", "EmulatedCluster", "add_peer_args", "free_port", "omni_poll_s",
+           "omni_router_args", "omni_router_command", "peer_decode_policy", "peer_of",
+           "peer_router_command", "peer_targets", "sglang_router_command", "smg_router_command",
+           "start_router"]
 
 
 def kv_events_args() -> list[str]:
@@ -150,6 +156,70 @@ def smg_router_command(cluster: EmulatedCluster, prefill_policy: str, decode_pol
     for url in cluster.decode:
         cmd += ["--decode", url]
     return cmd
+
+
+PEERS = ("smg", "sglang-router")  # the Rust router beside OmniProxy; the first is the default
+PEER_PREFIX = {"smg": "smg", "sglang-router": "sglang"}  # target names: smg:POLICY, sglang:POLICY
+# the policies that apply to a benchmark (not random, manual, passthrough); bucket: PD prefill only
+PEER_POLICIES = {"smg": ("round_robin", "power_of_two", "cache_aware", "least_load", "prefix_hash",
+                         "consistent_hashing", "bucket"),
+                 "sglang-router": ("round_robin", "cache_aware", "power_of_two")}
+PREFILL_ONLY = ("bucket",)
+OMNI_POLL_S = 0.5  # OmniProxy's load poll beside sglang-router 0.3.2 (as before smg)
+
+
+def peer_of(prefix: str) -> str | None:
+    """The peer of a target name's router part (``smg`` -> smg, ``sglang`` -> sglang-router)."""
+    return next((peer for peer, p in PEER_PREFIX.items() if p == prefix), None)
+
+
+def peer_targets(peer: str, pd: bool) -> list[str]:
+    """The peer's target names for a PD (``pd``) or a regular cluster, in run order."""
+    return [f"{PEER_PREFIX[peer]}:{p}" for p in PEER_POLICIES[peer]
+            if pd or p not in PREFILL_ONLY]
+
+
+def peer_decode_policy(cluster: EmulatedCluster, policy: str) -> str:
+    """A PD pair's decode policy: the prefill one, or round_robin over one decode worker
+    (sglang-router refuses power_of_two there; one choice is no choice) and for a prefill-only
+    policy (bucket)."""
+    return policy if len(cluster.decode) > 1 and policy not in PREFILL_ONLY else "round_robin"
+
+
+def peer_router_command(peer: str, cluster: EmulatedCluster, policy: str, port: int,
+                        poll_s: int = 1) -> list[str]:
+    """The peer routing with ``policy`` (smg polling loads every ``poll_s`` seconds)."""
+    decode = peer_decode_policy(cluster, policy)
+    if peer == "smg":
+        return smg_router_command(cluster, policy, decode, port, load_interval_s=poll_s)
+    if peer == "sglang-router":
+        return sglang_router_command(cluster, policy, decode, port)
+    raise ValueError(f"unknown peer {peer!r}: one of {', '.join(PEERS)}")
+
+
+def omni_poll_s(peer: str, poll_s: int) -> float:
+    """OmniProxy's ``--loads-poll-interval-secs`` beside ``peer``: smg's own rate (the same
+    for both routers), or the former 0.5 s beside sglang-router 0.3.2."""
+    return float(poll_s) if peer == "smg" else OMNI_POLL_S
+
+
+def _poll_secs(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("smg's --load-monitor-interval is whole seconds, >= 1")
+    return value
+
+
+def add_peer_args(parser: argparse.ArgumentParser) -> None:
+    """``--peer`` (the Rust router compared against) and ``--poll-secs`` (its load polling)."""
+    parser.add_argument("--peer", choices=PEERS, default=PEERS[0],
+                        help="the Rust router beside OmniProxy: smg 1.13 (targets smg:POLICY) "
+                        "or sglang-router 0.3.2 (targets sglang:POLICY)")
+    parser.add_argument("--poll-secs", type=_poll_secs, default=1,
+                        help="with smg: its --load-monitor-interval and OmniProxy's "
+                        "--loads-poll-interval-secs, the same for both (whole seconds; smg's "
+                        "default 10 is longer than a run); sglang-router: OmniProxy polls "
+                        f"every {OMNI_POLL_S:g} s as before")
 
 
 def omni_router_command(args: list[str], port: int) -> list[str]:

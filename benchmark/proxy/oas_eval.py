@@ -1,27 +1,35 @@
-"""OmniProxy OAS against the upstream sglang-router on emulated PD clusters, in one run.
+"""OmniProxy OAS against the upstream Rust router (smg) on emulated PD clusters, in one run.
 
 For each cluster (2P1D and 4P1D emulated ``h100-llama3-8b`` workers at ``--time-scale``) and
 each router — OmniProxy with ``oas``, ``omni_default``, ``omni_earliest_batch`` (and the OAS
-ablations on 4P1D), the Rust ``sglang_router`` 0.3.2 with ``round_robin``, ``cache_aware`` and
-``power_of_two`` — it runs the ``paper`` workload closed-loop at each concurrency of the sweep,
+ablations on 4P1D), and the peer (``--peer``): smg 1.13 with each of its policies that apply
+(targets ``smg:round_robin``, ``smg:power_of_two``, ``smg:cache_aware``, ``smg:least_load``,
+``smg:prefix_hash``, ``smg:consistent_hashing``, ``smg:bucket``), or ``--peer sglang-router``:
+``sglang_router`` 0.3.2 with ``round_robin``, ``cache_aware`` and ``power_of_two`` (targets
+``sglang:POLICY``; the decode side of a pair is round_robin over one decode worker, and for
+bucket) — it runs the ``paper`` workload closed-loop at each concurrency of the sweep,
 the same mix open-loop at a fixed Poisson rate (``--open-qpm``: tail latency at equal QPM) and
 the Mooncake conversation trace open-loop, with the prefix caches flushed before each run.
 Times are converted back to model seconds (divided by the time scale) before the SLO
 (TTFT < 2 s, TPOT < 50 ms) is applied; OmniProxy is told the same TTFT objective
-(``--oas-ttft-slo-secs``, in wall seconds) unless ``--no-router-slo``. ``--repeats N`` runs every
-point N times, interleaved, and the report gives medians, spreads and per-repeat paired ratios.
+(``--oas-ttft-slo-secs``, in wall seconds) unless ``--no-router-slo``. Beside smg both
+routers poll worker loads every ``--poll-secs`` (default 1 s: smg's --load-monitor-interval and
+OmniProxy's --loads-poll-interval-secs); beside sglang-router OmniProxy polls every 0.5 s.
+``--repeats N`` runs every point N times, interleaved, and the report gives medians, spreads
+and per-repeat paired ratios.
 ``--cache-truth kv-events`` (or ``both``) also runs our policies with the prefix index driven by
 the emulators' KV events (target ``omni:oas@kv-events``); every OmniProxy run records how often
 its predicted cached tokens matched what the prefill worker reported, and why its prefill policy
 released each request (``open``, ``idle``, ``starved``, ``overdue``). Writes ``results.json``,
 ``goodput.png`` and ``ttft_cdf.png`` to ``--output-dir`` and prints the tables.
 
-    python benchmark/proxy/oas_eval.py --quick          # a few minutes
-    python benchmark/proxy/oas_eval.py                  # both clusters, one repeat (~30 min)
-    python benchmark/proxy/oas_eval.py --clusters 4P1D --repeats 3 --cache-truth both \
-        --only omni:oas,omni:oas@kv-events,omni:omni_default,omni:omni_earliest_batch,\
-omni:oas_no_defer,omni:oas_no_resort,omni:oas_no_cache,omni:oas_no_lpt,omni:oas_no_slo,\
-sglang:round_robin,sglang:cache_aware,sglang:power_of_two   # the published 4P1D tables
+    python benchmark/proxy/oas_eval.py --quick          # a few minutes, smg as the peer
+    python benchmark/proxy/oas_eval.py                  # both clusters, one repeat
+    # the 4P1D tables measured against sglang-router 0.3.2:
+    python benchmark/proxy/oas_eval.py --peer sglang-router --clusters 4P1D --repeats 3 \
+        --cache-truth both --only omni:oas,omni:oas@kv-events,omni:omni_default,\
+omni:omni_earliest_batch,omni:oas_no_defer,omni:oas_no_resort,omni:oas_no_cache,\
+omni:oas_no_lpt,omni:oas_no_slo,sglang:round_robin,sglang:cache_aware,sglang:power_of_two
 """
 
 from __future__ import annotations
@@ -45,10 +53,14 @@ sys.path.insert(0, str(HERE))
 
 from cluster import (  # noqa: E402
     EmulatedCluster,
+    add_peer_args,
     free_port,
+    omni_poll_s,
     omni_router_args,
     omni_router_command,
-    sglang_router_command,
+    peer_of,
+    peer_router_command,
+    peer_targets,
     start_router,
 )
 from report import write_report  # noqa: E402
@@ -61,24 +73,25 @@ from omniinfer.bench.workloads import BenchRequest, WorkloadSpec, mooncake, pape
 OURS = ("oas", "oas_goodput", "omni_default", "omni_earliest_batch")
 ABLATIONS = ("oas_no_defer", "oas_no_resort", "oas_no_cache", "oas_no_lpt", "oas_no_slo",
              "oas_sjf", "oas_mh")  # the last two are variants (orders), not ablations
-SGLANG = ("round_robin", "cache_aware", "power_of_two")
 VOCAB = 128000
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    name: str  # as shown in tables: "omni:oas", "omni:oas@kv-events", "sglang:round_robin"
-    router: str  # "omni" | "sglang"
+    name: str  # as shown in tables: "omni:oas", "omni:oas@kv-events", "smg:round_robin"
+    router: str  # "omni" | "smg" | "sglang" (sglang-router)
     policy: str
     cache_truth: str = "router"  # what fills OmniProxy's prefix index
 
 
-def targets(ablations: bool, truths: tuple[str, ...] = ("router",)) -> list[Target]:
+def targets(ablations: bool, truths: tuple[str, ...] = ("router",), peer: str = "smg"
+            ) -> list[Target]:
+    """Ours (per cache truth), the ablations if asked, then the peer's policies (PD)."""
     out = [Target(f"omni:{p}" + ("" if truth == "router" else f"@{truth}"), "omni", p, truth)
            for p in OURS for truth in truths]
     if ablations:
         out += [Target(f"omni:{p}", "omni", p) for p in ABLATIONS]
-    out += [Target(f"sglang:{p}", "sglang", p) for p in SGLANG]
+    out += [Target(name, *name.split(":", 1)) for name in peer_targets(peer, pd=True)]
     return out
 
 
@@ -157,11 +170,12 @@ def run_target(target: Target, cluster: EmulatedCluster, workloads: list[dict[st
     access = log_dir / f"{target.name.replace(':', '_')}.access.jsonl"
     if target.router == "omni":
         slo = None if args.no_router_slo else args.slo_ttft * args.time_scale  # wall seconds
-        command = omni_router_command(omni_router_args(cluster, target.policy, target.policy,
-                                                       access, target.cache_truth, slo), port)
-    else:  # sglang-router refuses power_of_two over one decode worker; one choice is no choice
-        decode = target.policy if len(cluster.decode) > 1 else "round_robin"
-        command = sglang_router_command(cluster, target.policy, decode, port)
+        command = omni_router_command(omni_router_args(
+            cluster, target.policy, target.policy, access, target.cache_truth, slo,
+            poll_s=omni_poll_s(args.peer, args.poll_secs)), port)
+    else:  # the peer named by the target (smg or sglang-router)
+        command = peer_router_command(peer_of(target.router) or args.peer, cluster,
+                                      target.policy, port, args.poll_secs)
     rows = []
     for wl in workloads:
         cluster.flush()
@@ -288,7 +302,9 @@ def main() -> int:
                    help="do not tell OmniProxy the TTFT objective (--oas-ttft-slo-secs); by "
                    "default it gets the same SLO the goodput is measured against")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", default=None, help="comma list of target names to run")
+    add_peer_args(p)
+    p.add_argument("--only", default=None, help="comma list of target names to run (the peer's: "
+                   "smg:POLICY or sglang:POLICY, as --peer)")
     p.add_argument("--no-ablations", action="store_true")
     p.add_argument("--cache-truth", choices=("router", "kv-events", "both"), default="router",
                    help="what fills OmniProxy's prefix index: its own routing (router), the "
@@ -332,7 +348,8 @@ def main() -> int:
                                   kv_events=args.cache_truth != "router")
         try:  # targets interleaved per workload, so a change in the box's load hits them all
             for repeat, wl in ((rep, wl) for rep in range(args.repeats) for wl in workloads):
-                for target in targets(name == "4P1D" and not args.no_ablations, truths):
+                for target in targets(name == "4P1D" and not args.no_ablations, truths,
+                                      args.peer):
                     if args.only and target.name not in args.only.split(","):
                         continue
                     if (target.policy in ABLATIONS and not args.ablations_everywhere

@@ -1,4 +1,4 @@
-"""OmniProxy against the SGLang router where the prefix cache decides: an open-loop rate sweep.
+"""OmniProxy against the Rust router (smg) where the prefix cache decides: an open-loop rate sweep.
 
 Emulated ``h100-llama3-8b`` clusters — 8 regular workers (``8R``) and 4 prefill + 1 decode
 (``4P1D``) — whose caching workers (regular, prefill) get a KV pool of ``--cache-tokens`` so
@@ -8,15 +8,22 @@ SmolLM2 tokenizer): ``prefix-groups`` (llm-d's shape: groups x shared prefix x u
 query) and ``multi-turn`` (each turn extends the previous prompt and answer). At each rate
 (model requests per second per caching worker; Poisson arrivals, the same for every router)
 every target runs in turn, each on flushed caches with a fresh router: OmniProxy ``oas`` with
-its own prefix index, ``oas`` with KV-event cache truth, our ``cache_aware``, and the Rust
-``sglang_router`` (PyPI) with ``round_robin``, ``cache_aware`` and ``power_of_two``. Times are
-converted to model seconds; the first ``--warmup-share`` of requests warms the caches and is not
-measured. Goodput = measured requests within the SLO (TTFT and TPOT) per model minute of their
-send window. ``--repeats`` repeats the sweep (targets rotated); the report gives medians,
-spreads and per-repeat paired ratios, a PNG per cluster, ``results.json`` and ``tables.md``.
+its own prefix index, ``oas`` with KV-event cache truth, our ``cache_aware``, and the peer
+(``--peer``): smg 1.13 (PyPI) with each of its policies that apply (``smg:round_robin``,
+``smg:power_of_two``, ``smg:cache_aware``, ``smg:least_load``, ``smg:prefix_hash``,
+``smg:consistent_hashing``, and ``smg:bucket`` on PD clusters only), or ``--peer sglang-router``:
+``sglang_router`` 0.3.2 with ``sglang:round_robin``, ``sglang:cache_aware`` and
+``sglang:power_of_two``. Beside smg both routers poll worker loads every ``--poll-secs`` (smg's
+--load-monitor-interval, OmniProxy's --loads-poll-interval-secs); beside sglang-router OmniProxy
+polls every 0.5 s. Times are converted to model seconds; the first ``--warmup-share`` of
+requests warms the caches and is not measured. Goodput = measured requests within the SLO
+(TTFT and TPOT) per model minute of their send window. ``--repeats`` repeats the sweep (targets
+rotated); the report gives medians, spreads and per-repeat paired ratios, a PNG per cluster,
+``results.json`` and ``tables.md``.
 
-    python benchmark/proxy/prefix_eval.py --quick                  # smoke run
+    python benchmark/proxy/prefix_eval.py --quick                  # smoke run, smg as the peer
     python benchmark/proxy/prefix_eval.py --rates 4,6,9 --repeats 2 # a sized full run
+    python benchmark/proxy/prefix_eval.py --peer sglang-router       # the older peer
 """
 
 from __future__ import annotations
@@ -41,11 +48,17 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
 from cluster import (  # noqa: E402
+    PEER_PREFIX,
+    PREFILL_ONLY,
     EmulatedCluster,
+    add_peer_args,
     free_port,
+    omni_poll_s,
     omni_router_args,
     omni_router_command,
-    sglang_router_command,
+    peer_of,
+    peer_router_command,
+    peer_targets,
     start_router,
 )
 from oas_eval import router_state, to_model_time  # noqa: E402
@@ -57,16 +70,15 @@ from omniinfer.bench.runner import run_trace_replay  # noqa: E402
 from omniinfer.bench.workloads import BenchRequest, WorkloadSpec, poisson_arrivals  # noqa: E402
 
 CLUSTERS = {"8R": (0, 0, 8), "4P1D": (4, 1, 0)}  # (prefill, decode, regular)
-TARGETS = ("omni:oas", "omni:oas@kv-events", "omni:cache_aware", "sglang:round_robin",
-           "sglang:cache_aware", "sglang:power_of_two")
+OMNI_TARGETS = ("omni:oas", "omni:oas@kv-events", "omni:cache_aware")
 TOKENIZER = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 RUN_OVERHEAD_S = 16.0  # flush, router start and stop, drain past saturation (the --quick run here)
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    name: str  # "omni:oas@kv-events"
-    router: str  # "omni" | "sglang"
+    name: str  # "omni:oas@kv-events", "smg:cache_aware"
+    router: str  # "omni" | "smg" | "sglang" (sglang-router)
     policy: str
     truth: str = "router"  # what fills OmniProxy's prefix index
 
@@ -74,9 +86,22 @@ class Target:
     def parse(cls, name: str) -> Target:
         router, _, rest = name.partition(":")
         policy, _, truth = rest.partition("@")
-        if router not in ("omni", "sglang") or not policy or (truth and router != "omni"):
-            raise ValueError(f"bad target {name!r}: omni:POLICY[@kv-events] or sglang:POLICY")
+        if (router != "omni" and peer_of(router) is None) or not policy or (
+                truth and router != "omni"):
+            raise ValueError(f"bad target {name!r}: omni:POLICY[@kv-events], smg:POLICY or "
+                             "sglang:POLICY")
         return cls(name, router, policy, truth or "router")
+
+
+def default_targets(peer: str) -> list[str]:
+    """Ours, then every policy of the peer (bucket is skipped on regular clusters)."""
+    return [*OMNI_TARGETS, *peer_targets(peer, pd=True)]
+
+
+def cluster_targets(targets: list[Target], cluster: str) -> list[Target]:
+    """The targets that apply to ``cluster``: a prefill-only policy (bucket) needs PD."""
+    pd = CLUSTERS[cluster][2] == 0
+    return [t for t in targets if pd or getattr(t, "policy", None) not in PREFILL_ONLY]
 
 
 def caching_workers(cluster: str) -> int:
@@ -136,11 +161,11 @@ def router_command(target: Target, cluster: EmulatedCluster, port: int,
                    args: argparse.Namespace) -> list[str]:
     if target.router == "omni":
         slo = args.slo_ttft * args.time_scale  # OAS's objective, in wall seconds
-        return omni_router_command(omni_router_args(cluster, target.policy, target.policy,
-                                                    None, target.truth, slo), port)
-    # sglang-router refuses power_of_two over one decode worker; one choice is no choice
-    decode = target.policy if len(cluster.decode) > 1 else "round_robin"
-    return sglang_router_command(cluster, target.policy, decode, port)
+        return omni_router_command(omni_router_args(
+            cluster, target.policy, target.policy, None, target.truth, slo,
+            poll_s=omni_poll_s(args.peer, args.poll_secs)), port)
+    return peer_router_command(peer_of(target.router) or args.peer, cluster, target.policy,
+                               port, args.poll_secs)
 
 
 def run_one(target: Target, cluster: EmulatedCluster, requests: list[BenchRequest],
@@ -176,10 +201,10 @@ def estimate_s(args: argparse.Namespace) -> float:
     """Wall seconds the sweep should take: each run's arrivals, a chat's chain of turns (a
     turn, then the think time) or a drain of about one model second, and the overheads."""
     total = 0.0
-    for _, workload, _ in plan(args):
+    for cluster, workload, _ in plan(args):
         tail = args.turns * (args.think_time + 0.5) if workload == "multi-turn" else 1.0
-        total += len(args.targets) * ((args.run_seconds + tail) * args.time_scale
-                                      + RUN_OVERHEAD_S)
+        total += len(cluster_targets(args.targets, cluster)) * (
+            (args.run_seconds + tail) * args.time_scale + RUN_OVERHEAD_S)
     return total * args.repeats
 
 
@@ -216,7 +241,10 @@ def parse_args() -> argparse.Namespace:
                    help="model requests/s per caching worker (regular or prefill), comma list; "
                    "1.5x steps let the report judge the knee and 1.5x the knee")
     p.add_argument("--repeats", type=int, default=1, help="repeat the sweep (targets rotated)")
-    p.add_argument("--targets", default=",".join(TARGETS), help="comma list of router:policy")
+    p.add_argument("--targets", default=None,
+                   help="comma list of router:policy (default: ours and every policy of the "
+                   "peer; smg:POLICY or sglang:POLICY as --peer)")
+    add_peer_args(p)
     p.add_argument("--run-seconds", type=float, default=4.0,
                    help="model seconds of arrivals per run (requests = rate x this)")
     p.add_argument("--warmup-share", type=float, default=0.25,
@@ -252,7 +280,14 @@ def parse_args() -> argparse.Namespace:
     args.clusters = args.clusters.split(",")
     args.workloads = args.workloads.split(",")
     args.rates = [float(r) for r in args.rates.split(",")]
-    args.targets = [Target.parse(t) for t in args.targets.split(",")]
+    try:
+        args.targets = [Target.parse(t) for t in (
+            args.targets or ",".join(default_targets(args.peer))).split(",")]
+    except ValueError as exc:
+        p.error(str(exc))
+    other = [t.name for t in args.targets if t.router not in ("omni", PEER_PREFIX[args.peer])]
+    if other:  # the load-polling rate is matched to one peer
+        p.error(f"targets {', '.join(other)} are not of --peer {args.peer}")
     unknown = ([c for c in args.clusters if c not in CLUSTERS]
                + [w for w in args.workloads if w not in PREFIX_WORKLOADS])
     if unknown or not all(r > 0 for r in args.rates) or not 0 <= args.warmup_share < 1:
@@ -268,11 +303,13 @@ def main() -> int:
     log_root = args.log_dir or out_dir / "logs"
     out_dir.mkdir(parents=True, exist_ok=True)
     points = plan(args)
-    print(f"{len(points)} points x {len(args.targets)} targets x {args.repeats} repeats; "
-          f"estimated {estimate_s(args) / 60:.0f} min", flush=True)
+    runs = sum(len(cluster_targets(args.targets, c)) for c, _, _ in points) * args.repeats
+    print(f"{len(points)} points x {len(args.targets)} targets x {args.repeats} repeats "
+          f"({runs} runs, peer {args.peer}); estimated {estimate_s(args) / 60:.0f} min",
+          flush=True)
     rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
-    bar = tqdm(total=len(points) * len(args.targets) * args.repeats, unit="run")
+    bar = tqdm(total=runs, unit="run")
     for name in args.clusters:
         n_prefill, n_decode, n_regular = CLUSTERS[name]
         cluster = EmulatedCluster(n_prefill, n_decode, "h100-llama3-8b", args.time_scale,
@@ -284,8 +321,9 @@ def main() -> int:
                     total_rate = rate * caching_workers(name)
                     requests = build_requests(args, workload, total_rate, tokenizer,
                                               args.seed + 1000 * repeat + k)
-                    shift = repeat % len(args.targets)  # no target always runs first
-                    for target in args.targets[shift:] + args.targets[:shift]:
+                    here = cluster_targets(args.targets, name)
+                    shift = repeat % max(1, len(here))  # no target always runs first
+                    for target in here[shift:] + here[:shift]:
                         bar.set_description(f"{name} {workload} {rate:g} {target.name}")
                         key = {"cluster": name, "workload": workload, "rate": rate,
                                "target": target.name, "repeat": repeat}

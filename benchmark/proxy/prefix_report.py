@@ -5,7 +5,9 @@
 A run row is one (cluster, workload, rate, target, repeat) with the model-time figures of the
 measured requests. Points collapse to the median of their repeats with the spread (min, max);
 ratios between two targets are medians of the per-repeat ratios (both runs of a pair in the
-same repeat, back to back).
+same repeat, back to back). The peer is the Rust router whose targets ran: ``smg:POLICY`` (smg
+1.13) or, in older results, ``sglang:POLICY`` (sglang-router 0.3.2); with both, smg unless
+``--peer sglang``. Its best policy is the best of all of its policies that ran.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 
 MISS_SHARE = 0.9  # a router "meets the SLO" at a rate while >= 90 % of requests are within it
 OURS = "omni:oas@kv-events"
-SGLANG = ("sglang:round_robin", "sglang:cache_aware", "sglang:power_of_two")
+PEER_PREFIXES = ("smg", "sglang")  # target prefixes of smg 1.13 and of sglang-router 0.3.2
+PEER_NAMES = {"smg": "smg", "sglang": "sglang-router"}
 METRICS = ("goodput_qpm", "slo_share", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s",
            "cached_share", "p50_tpot_ms", "qpm")
 START, END = "<!-- prefix-eval:start -->", "<!-- prefix-eval:end -->"
@@ -27,6 +30,12 @@ START, END = "<!-- prefix-eval:start -->", "<!-- prefix-eval:end -->"
 
 def _ok(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if "failed" not in r]
+
+
+def peer_prefix(rows: list[dict[str, Any]]) -> str:
+    """The peer the rows compare against: ``smg`` when any smg target ran, else ``sglang``."""
+    ran = {str(r.get("target", "")).split(":", 1)[0] for r in rows}
+    return next((p for p in PEER_PREFIXES if p in ran), PEER_PREFIXES[-1])
 
 
 def collapse(rows: list[dict[str, Any]]) -> dict[tuple[str, str, float, str], dict[str, Any]]:
@@ -67,23 +76,26 @@ def _ratio(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def criteria(rows: list[dict[str, Any]], cluster: str, workload: str, ours: str = OURS
-             ) -> dict[str, Any]:
-    """The issue's targets at the knee (the highest rate where the best sglang-router policy
-    keeps >= 90 % within the SLO) and at 1.5x the knee, if that rate was swept."""
+def criteria(rows: list[dict[str, Any]], cluster: str, workload: str, ours: str = OURS,
+             peer: str | None = None) -> dict[str, Any]:
+    """The issue's targets at the knee (the highest rate where the best policy of ``peer``, a
+    target prefix, default the one that ran, keeps >= 90 % within the SLO) and at 1.5x the
+    knee, if that rate was swept. ``best_sglang`` names the peer's best policy (either peer)."""
     points = collapse(rows)
+    peer = peer or peer_prefix(rows)
     rates = sorted({k[2] for k in points if k[:2] == (cluster, workload)})
-    present = [t for t in SGLANG if any((cluster, workload, r, t) in points for r in rates)]
+    present = list(dict.fromkeys(k[3] for k in points if k[:2] == (cluster, workload)
+                                 and k[3].startswith(f"{peer}:")))
     if not rates or not present or not any((cluster, workload, r, ours) in points for r in rates):
-        return {"cluster": cluster, "workload": workload, "knee": None}
+        return {"cluster": cluster, "workload": workload, "peer": peer, "knee": None}
 
     def best_share(rate: float) -> float:
-        return max((points[(cluster, workload, rate, t)]["slo_share"] or 0.0)
-                   for t in present if (cluster, workload, rate, t) in points)
+        return max(((points[(cluster, workload, rate, t)]["slo_share"] or 0.0)
+                    for t in present if (cluster, workload, rate, t) in points), default=0.0)
 
     knee = max((r for r in rates if best_share(r) >= MISS_SHARE), default=None)
-    out: dict[str, Any] = {"cluster": cluster, "workload": workload, "ours": ours, "knee": knee,
-                           "rates": rates, "points": []}
+    out: dict[str, Any] = {"cluster": cluster, "workload": workload, "ours": ours, "peer": peer,
+                           "knee": knee, "rates": rates, "points": []}
     if knee is None:
         return out
     for rate in (knee, knee * 1.5):
@@ -97,7 +109,7 @@ def criteria(rows: list[dict[str, Any]], cluster: str, workload: str, ours: str 
             out["points"].append({"rate": rate, "swept": False})
             continue
         best = max(present, key=lambda t: (here[t] or {}).get("goodput_qpm") or 0.0)
-        rr = "sglang:round_robin" if here.get("sglang:round_robin") else None
+        rr = f"{peer}:round_robin" if here.get(f"{peer}:round_robin") else None
         ours_p90, best_p90 = here[ours]["p90_ttft_s"], here[best]["p90_ttft_s"]  # type: ignore[index]
         out["points"].append({
             "rate": rate, "swept": True, "best_sglang": best,
@@ -121,10 +133,12 @@ def _fmt(x: float | None, digits: int = 0) -> str:
 
 def criteria_text(crit: dict[str, Any]) -> str:
     head = f"**{crit['cluster']}, {crit['workload']}**"
+    peer = crit.get("peer", "sglang")  # criteria from before smg name no peer: sglang-router
+    them = PEER_NAMES.get(peer, peer)
     if crit.get("knee") is None:
-        return f"{head}: no swept rate where an sglang-router policy kept >= 90 % within the SLO."
+        return f"{head}: no swept rate where a {them} policy kept >= 90 % within the SLO."
     lines = [f"{head}: knee = {_fmt(crit['knee'], 1)} req/s per caching worker (highest rate "
-             f"where the best sglang-router policy keeps >= 90 % within the SLO); criteria for "
+             f"where the best {them} policy keeps >= 90 % within the SLO); criteria for "
              f"{crit['ours']}.\n", "| rate | criterion | target | measured | met |",
              "|---|---|---|---|---|"]
     for p in crit["points"]:
@@ -135,10 +149,10 @@ def criteria_text(crit: dict[str, Any]) -> str:
         per = {name: "" if len(p[name]) < 2 else
                " (" + ", ".join(_fmt(x, 2) for x in p[name]) + ")"
                for name in ("vs_rr_per_repeat", "vs_best_per_repeat")}
-        lines.append(f"| {rate} | goodput / sglang round_robin | >= 1.5x | {_fmt(p['vs_rr'], 2)}x "
+        lines.append(f"| {rate} | goodput / {peer} round_robin | >= 1.5x | {_fmt(p['vs_rr'], 2)}x "
                      f"({_fmt(p['ours_goodput'])} vs {_fmt(p['rr_goodput'])} QPM)"
                      f"{per['vs_rr_per_repeat']} | {'yes' if (p['vs_rr'] or 0) >= 1.5 else 'no'} |")
-        lines.append(f"| {rate} | goodput / best sglang-router ({p['best_sglang']}) | >= 1.2x | "
+        lines.append(f"| {rate} | goodput / best {them} ({p['best_sglang']}) | >= 1.2x | "
                      f"{_fmt(p['vs_best'], 2)}x ({_fmt(p['best_goodput'])} QPM)"
                      f"{per['vs_best_per_repeat']} | {'yes' if (p['vs_best'] or 0) >= 1.2 else 'no'} |")
         if p is crit["points"][-1] and len(crit["points"]) > 1:
@@ -237,9 +251,11 @@ def plots(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     return written
 
 
-def write_report(rows: list[dict[str, Any]], out_dir: Path, docs: Path | None = None) -> str:
+def write_report(rows: list[dict[str, Any]], out_dir: Path, docs: Path | None = None,
+                 peer: str | None = None) -> str:
     points = collapse(rows)
-    crits = [criteria(rows, c, w) for c, w in dict.fromkeys((k[0], k[1]) for k in points)]
+    crits = [criteria(rows, c, w, peer=peer) for c, w in dict.fromkeys((k[0], k[1])
+                                                                        for k in points)]
     (out_dir / "criteria.json").write_text(json.dumps(crits, indent=1))
     if points:
         plots(rows, out_dir)
@@ -263,9 +279,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description="Rebuild the prefix evaluation's tables and plots")
     p.add_argument("results", type=Path)
     p.add_argument("--docs", type=Path, default=None)
+    p.add_argument("--peer", choices=PEER_PREFIXES, default=None,
+                   help="the peer's target prefix (default: smg if it ran, else sglang)")
     args = p.parse_args()
     data = json.loads(args.results.read_text())
-    print(write_report(data["runs"], args.results.parent, args.docs))
+    print(write_report(data["runs"], args.results.parent, args.docs, args.peer))
     return 0
 
 

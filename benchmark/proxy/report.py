@@ -1,6 +1,11 @@
 """Tables, criteria and plots of ``oas_eval.py`` results (also runnable on a saved results.json).
 
     python benchmark/proxy/report.py benchmark/results/proxy/results.json [--docs docs/benchmarks.md]
+
+The peer (the Rust router the criteria compare against) is the one whose targets the results
+hold: ``smg:POLICY`` (smg 1.13, the default since) or ``sglang:POLICY`` (sglang-router 0.3.2,
+older results); with both, smg (``--peer sglang`` picks the other). "Best peer" is the best of
+all of the peer's policies that ran.
 """
 
 from __future__ import annotations
@@ -12,11 +17,25 @@ from typing import Any
 
 SECTION = "## OmniProxy OAS evaluation"
 MISS_SHARE = 0.9  # a policy "misses the SLO" when fewer than 90 % of requests meet it
-SGLANG_POLICIES = ("round_robin", "cache_aware", "power_of_two")
+PEER_PREFIXES = ("smg", "sglang")  # target prefixes of smg 1.13 and of sglang-router 0.3.2
+PEER_NAMES = {"smg": "smg", "sglang": "sglang-router"}
+OMNI_RANKED = ("omni:oas", "omni:omni_default", "omni:omni_earliest_batch")
 
 
 def _ok(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if "summary" in r]
+
+
+def peer_prefix(rows: list[dict[str, Any]]) -> str:
+    """The peer the rows compare against: ``smg`` when any smg target ran, else ``sglang``."""
+    ran = {str(r.get("target", "")).split(":", 1)[0] for r in rows}
+    return next((p for p in PEER_PREFIXES if p in ran), PEER_PREFIXES[-1])
+
+
+def peer_targets(rows: list[dict[str, Any]], peer: str) -> list[str]:
+    """Every target of ``peer`` (a prefix) that ran, in order of appearance."""
+    return list(dict.fromkeys(r["target"] for r in _ok(rows)
+                              if r["target"].startswith(f"{peer}:")))
 
 
 MEDIAN_KEYS = ("goodput_requests_per_minute", "requests_per_minute", "p99_ttft_ms",
@@ -106,11 +125,13 @@ def _fmt(x: float | None, digits: int = 0) -> str:
     return "n/a" if x is None else f"{x:,.{digits}f}"
 
 
-def critical_concurrency(rows: list[dict[str, Any]], cluster: str) -> int | None:
-    """The lowest swept concurrency where round_robin (sglang-router) first misses the SLO."""
+def critical_concurrency(rows: list[dict[str, Any]], cluster: str, peer: str | None = None
+                         ) -> int | None:
+    """The lowest swept concurrency where the peer's round_robin first misses the SLO."""
+    rr = f"{peer or peer_prefix(rows)}:round_robin"
     points = sorted((r["concurrency"], r["slo_share"]) for r in _ok(rows)
                     if r["cluster"] == cluster and r["workload"] == "paper"
-                    and r["target"] == "sglang:round_robin")
+                    and r["target"] == rr)
     for c, share in points:
         if share < MISS_SHARE:
             return c
@@ -120,20 +141,22 @@ def critical_concurrency(rows: list[dict[str, Any]], cluster: str) -> int | None
 OAS_VARIANTS = ("omni:oas_goodput",)  # judged against the same criteria as omni:oas
 
 
-def criteria(raw: list[dict[str, Any]], cluster: str = "4P1D", ours: str = "omni:oas"
-             ) -> dict[str, Any]:
-    """The issue's targets for ``ours``, on the medians of the repeats; goodput ratios are the
-    median of the per-repeat paired ratios (ours and the peer's run back to back), with every
-    ratio kept."""
+def criteria(raw: list[dict[str, Any]], cluster: str = "4P1D", ours: str = "omni:oas",
+             peer: str | None = None) -> dict[str, Any]:
+    """The issue's targets for ``ours`` against ``peer`` (a target prefix, ``smg`` or
+    ``sglang``; default: the one that ran), on the medians of the repeats; goodput ratios are
+    the median of the per-repeat paired ratios (ours and the peer's run back to back), with
+    every ratio kept. ``best_sglang`` names the peer's best policy (whichever peer)."""
     rows = collapse(raw)
-    out: dict[str, Any] = {"cluster": cluster, "ours": ours}
-    c = critical_concurrency(rows, cluster)
+    peer = peer or peer_prefix(raw)
+    names = peer_targets(rows, peer)
+    out: dict[str, Any] = {"cluster": cluster, "ours": ours, "peer": peer}
+    c = critical_concurrency(rows, cluster, peer)
     out["critical_concurrency"] = c
     for workload, conc in (("paper", c), ("mooncake", 0)):
         oas = _get(rows, cluster, workload, ours, conc)
-        rr = _get(rows, cluster, workload, "sglang:round_robin", conc)
-        peers = [r for r in (_get(rows, cluster, workload, f"sglang:{p}", conc)
-                             for p in ("round_robin", "cache_aware", "power_of_two")) if r]
+        rr = _get(rows, cluster, workload, f"{peer}:round_robin", conc)
+        peers = [r for r in (_get(rows, cluster, workload, t, conc) for t in names) if r]
         if not oas or not rr or not peers:
             continue
         best = max(peers, key=lambda r: r["summary"]["goodput_requests_per_minute"])
@@ -155,13 +178,11 @@ def criteria(raw: list[dict[str, Any]], cluster: str = "4P1D", ours: str = "omni
                           / best["summary"]["requests_per_minute"]),
             "ranking": [r["target"] for r in sorted(
                 [x for x in _ok(rows) if x["cluster"] == cluster and x["workload"] == workload
-                 and x["concurrency"] == conc and (x["target"] == ours or x["target"].split(
-                     ":")[1] in ("oas", "omni_default", "omni_earliest_batch", "round_robin",
-                                 "cache_aware", "power_of_two"))],
+                 and x["concurrency"] == conc and (x["target"] in (ours, *OMNI_RANKED, *names))],
                 key=lambda r: -g(r))],
         }
     open_rows = {t: _get(rows, cluster, "paper-open", t, 0)
-                 for t in (ours, *(f"sglang:{p}" for p in SGLANG_POLICIES))}
+                 for t in (ours, *names)}
     oas_open = open_rows.pop(ours)
     peers_open = [r for r in open_rows.values() if r and r["summary"]["p99_ttft_ms"]]
     if oas_open and peers_open:
@@ -339,21 +360,23 @@ def _per_repeat(crit: dict[str, Any], name: str) -> str:
 
 def criteria_text(crit: dict[str, Any]) -> str:
     ours = crit.get("ours", "omni:oas")
+    peer = crit.get("peer", "sglang")  # criteria from before smg name no peer: sglang-router
+    them = PEER_NAMES.get(peer, peer)
     name = "OAS" if ours == "omni:oas" else f"`{ours.split(':', 1)[1]}`"
-    lines = [f"Critical concurrency on {crit['cluster']} (round_robin first below "
+    lines = [f"Critical concurrency on {crit['cluster']} ({them} round_robin first below "
              f"{MISS_SHARE:.0%} within SLO): c={crit['critical_concurrency']}; criteria for "
              f"{ours}.\n",
              "| criterion | target | measured | met |", "|---|---|---|---|"]
     p = crit.get("paper")
     if p:
-        lines.append(f"| paper: {name} goodput / sglang round_robin | ≥ 1.5× | "
+        lines.append(f"| paper: {name} goodput / {peer} round_robin | ≥ 1.5× | "
                      f"{_fmt(p['vs_rr'], 2)}× ({_fmt(p['oas_goodput'])} vs "
                      f"{_fmt(p['rr_goodput'])} QPM){_per_repeat(p, 'vs_rr_per_repeat')} | "
                      f"{'yes' if (p['vs_rr'] or 0) >= 1.5 else 'no'} |")
-        lines.append(f"| paper: {name} goodput / best sglang-router ({p['best_sglang']}) | ≥ 1.2× | "
+        lines.append(f"| paper: {name} goodput / best {them} ({p['best_sglang']}) | ≥ 1.2× | "
                      f"{_fmt(p['vs_best'], 2)}×{_per_repeat(p, 'vs_best_per_repeat')} | "
                      f"{'yes' if (p['vs_best'] or 0) >= 1.2 else 'no'} |")
-        lines.append(f"| paper: {name} P99 TTFT vs best sglang-router (QPM ratio "
+        lines.append(f"| paper: {name} P99 TTFT vs best {them} (QPM ratio "
                      f"{p['qpm_ratio']:.2f}) | ≤ −38 % | {(p['p99_change'] or 0):+.0%} "
                      f"({_fmt(p['oas_p99_ttft_ms'] / 1000, 2)} vs "
                      f"{_fmt(p['best_p99_ttft_ms'] / 1000, 2)} s) | "
@@ -361,14 +384,14 @@ def criteria_text(crit: dict[str, Any]) -> str:
     o = crit.get("paper_open")
     if o:
         lines.append(f"| paper, open loop at {_fmt(o['qpm'])} QPM: {name} P99 TTFT vs the lowest "
-                     f"sglang-router P99 ({o['best_sglang']}; QPM ratio {o['qpm_ratio']:.2f}) "
+                     f"{them} P99 ({o['best_sglang']}; QPM ratio {o['qpm_ratio']:.2f}) "
                      f"| ≤ −38 % | {o['p99_change']:+.0%} ({_fmt(o['oas_p99_ttft_ms'] / 1000, 2)} "
                      f"vs {_fmt(o['best_p99_ttft_ms'] / 1000, 2)} s) | "
                      f"{'yes' if o['p99_change'] <= -0.38 else 'no'} |")
     m = crit.get("mooncake")
     if m:
         same = (m["vs_rr"] or 0) >= 1.0 and (m["vs_best"] or 0) >= 1.0
-        lines.append(f"| Mooncake: same ranking ({name} ≥ every sglang-router policy) | {name} first "
+        lines.append(f"| Mooncake: same ranking ({name} ≥ every {them} policy) | {name} first "
                      f"| order {' > '.join(t for t in m['ranking'])}; {name}/best "
                      f"{_fmt(m['vs_best'], 2)}×, P99 {(m['p99_change'] or 0):+.0%} | "
                      f"{'yes' if same else 'no'} |")
@@ -376,10 +399,10 @@ def criteria_text(crit: dict[str, Any]) -> str:
 
 
 def write_report(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path,
-                 docs: Path | None) -> str:
+                 docs: Path | None, peer: str | None = None) -> str:
     out_dir = Path(out_dir)
-    crit = criteria(rows)
-    variants = [criteria(rows, ours=t) for t in OAS_VARIANTS
+    crit = criteria(rows, peer=peer)
+    variants = [criteria(rows, ours=t, peer=peer) for t in OAS_VARIANTS
                 if any(r["target"] == t for r in _ok(rows))]
     (out_dir / "criteria.json").write_text(json.dumps({**crit, "variants": variants}, indent=1))
     if _ok(rows):
@@ -410,9 +433,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description="Rebuild the OAS tables and plots")
     p.add_argument("results", type=Path)
     p.add_argument("--docs", type=Path, default=None)
+    p.add_argument("--peer", choices=PEER_PREFIXES, default=None,
+                   help="the peer's target prefix (default: smg if it ran, else sglang)")
     args = p.parse_args()
     data = json.loads(args.results.read_text())
-    print(write_report(data["runs"], data["meta"], args.results.parent, args.docs))
+    print(write_report(data["runs"], data["meta"], args.results.parent, args.docs, args.peer))
     return 0
 
 

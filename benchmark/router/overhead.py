@@ -1,30 +1,33 @@
 """Router overhead: added latency (p50/p99) at a fixed request rate and max throughput, for
-OmniProxy and the Rust sglang-router, in the same run against the same trivially fast workers.
+OmniProxy and a Rust router (--peer: smg 1.13, target smg; or sglang-router 0.3.2, target
+sglang-router) against the same trivially fast workers, in one run. Beside smg both poll loads
+every --poll-secs (its --load-monitor-interval, OmniProxy's --loads-poll-interval-secs).
 
 The workers are a minimal in-script echo worker (TrivialEchoWorker: answers /generate at once
 with a fixed tiny body, so nearly all time measured is HTTP + routing). Latency is measured
 open-loop at --rate req/s: direct to a worker (the floor), then through each router; "added" is
 router minus direct at the same percentile. Throughput: closed loop, --concurrency clients.
-Each run also reports the router's CPU time per request (user + system of its process, all
-threads): unlike wall latency it barely moves when other jobs share the machine.
+The router's CPU time per request (user + system, all threads) barely moves with other jobs.
 
   python benchmark/router/overhead.py --rates 200,1000 --duration 5
   python benchmark/router/overhead.py --rates 1000 --api-key sk-x --repeats 5 \
       --baseline-tree /path/to/older/checkout   # that checkout's router as a fourth target
   python benchmark/router/overhead.py --rates 1000 --api-key sk-x --policy oas --repeats 5
---repeats N runs every target N times in turn (a fresh router each round), reports medians; the
-added latency is the median over rounds of router minus the same round's direct run.
-With --api-key the workers require the key (as SGLang's server does), the routers are given it
-(OmniProxy then also requires it of clients) and every client presents it. With --kv-events each
-echo worker publishes KV events as SGLang does (a warm cache under churn: every prompt stores its
-unique half and evicts the oldest one) and OmniProxy follows them (--cache-truth kv-events).
-Writes overhead.json and overhead.png beside this script (or --output); prints the table."""
+  python benchmark/router/overhead.py --peer sglang-router   # or --targets ...,smg,sglang-router
+--repeats N: every target N times in turn (a fresh router each round), medians; the added latency
+is the median over rounds of router minus the same round's direct run. With --api-key workers
+require the key (as SGLang's server does), routers are given it (OmniProxy then requires it of
+clients) and clients present it. With --kv-events each echo worker publishes KV events as SGLang
+does (a warm cache under churn: every prompt stores its unique half, evicts the oldest one) and
+OmniProxy follows them (--cache-truth kv-events). Writes overhead.json and .png beside this
+script (or --output); prints the table."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -123,10 +126,9 @@ def echo_app(api_key: str | None = None, kv_port: int | None = None,
         app.on_startup.append(open_publisher)
         app.on_cleanup.append(close_publisher)
     app.router.add_post("/generate", gen)
-    for path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info"):
-        app.router.add_get(path, info)
-    for path in ("/health", "/health_generate"):
-        app.router.add_get(path, ok)
+    for path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info",
+                 "/health", "/health_generate"):
+        app.router.add_get(path, ok if path.startswith("/health") else info)
     app.router.add_get("/v1/models", lambda _: web.json_response({"data": [{"id": "echo"}]}))
     return app
 
@@ -136,12 +138,10 @@ def serve_echo(port: int, api_key: str | None = None, kv_port: int | None = None
     """Run ``echo_app`` as its own process (on uvloop when installed)."""
     from aiohttp import web
 
-    try:
+    with contextlib.suppress(ImportError):
         import uvloop
 
         uvloop.install()
-    except ImportError:
-        pass
     web.run_app(echo_app(api_key, kv_port, shared_tokens), host="127.0.0.1", port=port,
                 print=None, access_log=None)
 
@@ -182,11 +182,9 @@ def cpu_seconds(pid: int) -> float:
     process = psutil.Process(pid)
     total = 0.0
     for p in (process, *process.children(recursive=True)):
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             times = p.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
+            total += times.user + times.system
     return total
 
 
@@ -210,7 +208,10 @@ def wait_kv_subscribed(base: str, deadline_s: float = 30.0) -> None:
 
 # ---- load -------------------------------------------------------------------------------------
 HEADERS = {"Content-Type": "application/json"}
-SGLANG_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
+BASE = ("random", "round_robin", "cache_aware", "power_of_two")  # sglang-router 0.3.2's policies
+# the Rust routers (--peer): module, and its policies that apply here (the rest: cache_aware)
+PEERS = {"smg": ("smg.launch_router", (*BASE, "least_load", "consistent_hashing", "prefix_hash")),
+         "sglang-router": ("sglang_router.launch_router", BASE)}
 WARM_BURST = 32  # concurrent requests in each warm-up burst
 
 
@@ -236,14 +237,12 @@ async def open_loop(url: str, rate: float, duration: float, prompt_tokens: int, 
     errors = 0
     warm, n = 200, int(rate * duration)
     bodies = payloads(warm + n, prompt_tokens)
-    headers = HEADERS
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         async def one(payload: bytes) -> None:
             nonlocal errors
             t0 = time.perf_counter()
             try:
-                async with session.post(url + "/generate", data=payload, headers=headers) as r:
+                async with session.post(url + "/generate", data=payload, headers=HEADERS) as r:
                     await r.read()
                     if r.status != 200:
                         errors += 1
@@ -279,7 +278,6 @@ async def closed_loop(url: str, concurrency: int, duration: float, prompt_tokens
     """Requests per second with ``concurrency`` clients back to back, and requests answered."""
     done = 0
     bodies = payloads(4096, prompt_tokens)
-    headers = HEADERS
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         end = time.perf_counter() + duration
 
@@ -288,7 +286,7 @@ async def closed_loop(url: str, concurrency: int, duration: float, prompt_tokens
             i = k
             while time.perf_counter() < end:
                 async with session.post(url + "/generate", data=bodies[i % len(bodies)],
-                                        headers=headers) as r:
+                                        headers=HEADERS) as r:
                     await r.read()
                     done += r.status == 200
                 i += concurrency
@@ -313,32 +311,57 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
+def peer_policy(peer: str, policy: str) -> str:
+    return policy if policy in PEERS[peer][1] else "cache_aware"
+
+
+def router_command(name: str, urls: list[str], port: int, args: argparse.Namespace,
+                   extra: list[str]) -> list[str]:
+    """Target ``name`` over ``urls``: a Rust router (smg polling loads every --poll-secs), or
+    OmniProxy (omniproxy-baseline: from --baseline-tree; beside smg polling at smg's rate)."""
+    if name in PEERS:
+        poll = ["--load-monitor-interval", str(args.poll_secs)] if name == "smg" else []
+        return [sys.executable, "-m", PEERS[name][0], "--host", "127.0.0.1", "--port", str(port),
+                "--worker-urls", *urls, "--policy", peer_policy(name, args.policy), "--log-level",
+                "warn", "--prometheus-port", str(free_port()), *poll, *extra]  # 29000 clashes
+    poll = ["--loads-poll-interval-secs", str(args.poll_secs)] if args.peer == "smg" else []
+    truth = ["--cache-truth", "kv-events"] if args.kv_events else []
+    old = ["env", f"PYTHONPATH={args.baseline_tree.resolve() / 'python'}"] if name.endswith(
+        "-baseline") else []
+    return [*old, sys.executable, "-m", "omniinfer.router", "--host", "127.0.0.1", "--port",
+            str(port), "--worker-urls", *urls, "--policy", args.policy, "--log-level", "warn",
+            "--max-concurrent-requests", "0", *poll, *truth, *extra]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rates", default="200,1000", help="open-loop rates (req/s), comma-separated")
     p.add_argument("--duration", type=float, default=5.0)
-    p.add_argument("--repeats", type=int, default=1,
-                   help="rounds of every target in turn; medians, and the added latency is the "
-                        "median of each round's router minus that round's direct")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every target in turn: "
+                   "medians; added latency: median of each round's router minus its direct")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--policy", default="round_robin")
     p.add_argument("--output", type=Path, default=HERE / "overhead.json")
     p.add_argument("--api-key", default=None, help="workers require it, routers get it, "
                    "clients present it")
-    p.add_argument("--targets", default="direct,omniproxy,sglang-router",
-                   help="comma-separated subset of direct, omniproxy, sglang-router")
+    p.add_argument("--peer", choices=PEERS, default="smg", help="the Rust router (target name)")
+    p.add_argument("--poll-secs", type=int, default=1,
+                   help="with smg: both routers' load poll (sglang-router: OmniProxy's default)")
+    p.add_argument("--targets", default=None, help="comma-separated subset of direct, "
+                   "omniproxy, smg, sglang-router (default: direct, omniproxy and --peer)")
     p.add_argument("--prompt-tokens", type=int, default=0,
                    help="0: the fixed tiny body; N: N pseudo-tokens, half shared, half unique")
-    p.add_argument("--kv-events", action="store_true",
-                   help="workers publish KV events; OmniProxy runs --cache-truth kv-events "
-                        "(implies --prompt-tokens 128 unless given)")
+    p.add_argument("--kv-events", action="store_true", help="workers publish KV events; "
+                   "OmniProxy runs --cache-truth kv-events (implies --prompt-tokens 128)")
     p.add_argument("--no-throughput", action="store_true", help="skip the closed-loop phase")
     p.add_argument("--baseline-tree", type=Path, default=None,
                    help="another checkout: its router runs as target omniproxy-baseline")
     p.add_argument("--serve-echo", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--kv-port", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.poll_secs < 1:
+        p.error("--poll-secs: smg's --load-monitor-interval is whole seconds, at least 1")
     if args.serve_echo:
         serve_echo(args.serve_echo, args.api_key, args.kv_port, args.prompt_tokens // 2)
         return 0
@@ -347,16 +370,16 @@ def main() -> int:
     key_args = ["--api-key", args.api_key] if args.api_key else []
     if args.api_key:
         HEADERS["Authorization"] = f"Bearer {args.api_key}"
-    wanted = set(args.targets.split(","))
+    wanted = set((args.targets or f"direct,omniproxy,{args.peer}").split(","))
     logs = Path(tempfile.mkdtemp(prefix="router-overhead-"))  # process logs, kept on failure
     procs: list[subprocess.Popen[bytes]] = []
     rates = [float(r) for r in args.rates.split(",")]
-    results: dict[str, Any] = {"rates": rates, "duration_s": args.duration,
-                               "repeats": args.repeats,
-                               "concurrency": args.concurrency, "workers": args.workers,
-                               "policy": args.policy, "cpus": os.cpu_count(),
-                               "api_key": bool(args.api_key), "kv_events": args.kv_events,
-                               "prompt_tokens": args.prompt_tokens, "runs": {}}
+    results: dict[str, Any] = {
+        "rates": rates, "duration_s": args.duration, "cpus": os.cpu_count(),
+        **{k: vars(args)[k] for k in ("repeats", "concurrency", "workers", "policy", "peer",
+                                      "kv_events", "prompt_tokens")},
+        "peer_policy": peer_policy(args.peer, args.policy), "api_key": bool(args.api_key),
+        "poll_secs": args.poll_secs if args.peer == "smg" else None, "runs": {}}
     try:
         urls = []
         for i in range(args.workers):
@@ -366,41 +389,21 @@ def main() -> int:
                                 "--prompt-tokens", str(args.prompt_tokens), *extra],
                                f"http://127.0.0.1:{port}/health", logs / f"echo{i}.log"))
             urls.append(f"http://127.0.0.1:{port}")
-        targets: dict[str, list[str] | None] = {"direct": None}
-        ours = free_port()
-        truth = ["--cache-truth", "kv-events"] if args.kv_events else []
-        targets["omniproxy"] = [sys.executable, "-m", "omniinfer.router", "--host", "127.0.0.1",
-                                "--port", str(ours), "--worker-urls", *urls,
-                                "--policy", args.policy, "--log-level", "warn",
-                                "--max-concurrent-requests", "0", *truth, *key_args]
         if args.baseline_tree is not None:
             wanted.add("omniproxy-baseline")
-            old = ["env", f"PYTHONPATH={args.baseline_tree.resolve() / 'python'}"]
-            targets["omniproxy-baseline"] = [*old, *targets["omniproxy"]]
-            targets["omniproxy-baseline"][targets["omniproxy-baseline"].index(str(ours))] = str(
-                baseline := free_port())
-        rust = free_port()
-        # the Rust router has no oas: its nearest policy (cache-aware with load balancing) stands
-        sglang_policy = args.policy if args.policy in SGLANG_POLICIES else "cache_aware"
-        results["sglang_policy"] = sglang_policy
-        targets["sglang-router"] = [sys.executable, "-m", "sglang_router.launch_router",
-                                    "--host", "127.0.0.1", "--port", str(rust),
-                                    "--worker-urls", *urls, "--policy", sglang_policy,
-                                    "--log-level", "warn", "--prometheus-port", str(free_port()),
-                                    *key_args]
-        targets = {k: v for k, v in targets.items() if k in wanted}
-        ports = {"direct": None, "omniproxy": ours, "sglang-router": rust,
-                 "omniproxy-baseline": baseline if args.baseline_tree else None}
+        ports = {name: free_port() for name in ("omniproxy", "omniproxy-baseline", *PEERS)
+                 if name in wanted}  # run in this order, after direct
+        targets: dict[str, list[str] | None] = {"direct": None} if "direct" in wanted else {}
+        targets.update({name: router_command(name, urls, port, args, key_args)
+                        for name, port in ports.items()})
         curves: dict[str, list[float]] = {}
         samples: dict[str, list[dict[str, float]]] = {}
         for rep in tqdm(range(args.repeats), desc="rounds", disable=args.repeats == 1):
             for name, command in targets.items():
                 url = urls[0] if command is None else f"http://127.0.0.1:{ports[name]}"
-                proc = None
-                if command is not None:
-                    proc = start(command, url + "/health", logs / f"{name}.log")
-                    if args.kv_events and name == "omniproxy":
-                        wait_kv_subscribed(url)
+                proc = start(command, url + "/health", logs / f"{name}.log") if command else None
+                if proc is not None and args.kv_events and name == "omniproxy":
+                    wait_kv_subscribed(url)
                 pid = (proc or procs[0]).pid  # direct: the echo worker's own CPU (the floor)
                 try:
                     for rate in rates:
@@ -433,7 +436,7 @@ def main() -> int:
                 "p99_ms_rounds": [round(r["p99_ms"], 4) for r in rounds]}
         for rate in rates:
             base = samples.get(f"direct@{rate:.0f}")
-            for name in ("omniproxy", "omniproxy-baseline", "sglang-router"):
+            for name in ("omniproxy", "omniproxy-baseline", *PEERS):
                 rounds = samples.get(f"{name}@{rate:.0f}")
                 if base is None or rounds is None:
                     continue
@@ -446,18 +449,15 @@ def main() -> int:
                 # a direct p99 far above a millisecond means the client machine itself saturated
                 run["client_saturated"] = results["runs"][f"direct@{rate:.0f}"]["p99_ms"] > 20.0
         tp = results.get("max_throughput_rps", {})
-        if "omniproxy" in tp and "sglang-router" in tp:
-            results["ratio_throughput_ours_over_rust"] = tp["omniproxy"] / max(
-                1e-6, tp["sglang-router"])
+        if "omniproxy" in tp and args.peer in tp:  # ours over the peer's
+            results["ratio_throughput_ours_over_rust"] = tp["omniproxy"] / max(1e-6, tp[args.peer])
     finally:
         for proc in procs:
             stop(proc)
     args.output.write_text(json.dumps(results, indent=2))
-    print(f"Router overhead, open loop ({args.duration:.0f} s per rate, median of "
-          f"{args.repeats} round(s)), {args.workers} echo "
-          f"workers, policy {args.policy} (sglang-router: {results['sglang_policy']}), "
-          f"{os.cpu_count()} CPUs"
-          f"{', KV events' if args.kv_events else ''}"
+    print(f"Router overhead, open loop ({args.duration:.0f} s per rate, median of {args.repeats} "
+          f"round(s)), {args.workers} echo workers, policy {args.policy} ({args.peer}: "
+          f"{results['peer_policy']}), {os.cpu_count()} CPUs{', KV events' * args.kv_events}"
           f"{f', {args.prompt_tokens}-token prompts' if args.prompt_tokens else ''}")
     print(f"{'target':<20}{'req/s':>7}{'p50 ms':>10}{'p99 ms':>10}{'added p50':>11}"
           f"{'added p99':>11}{'cpu ms/req':>12}{'errors':>8}")
