@@ -237,6 +237,14 @@ def sensitivity(args: argparse.Namespace, peer: str, requests: list[Any], log_di
     return "\n".join(lines), out
 
 
+def _shown(path: Path) -> str:
+    """A path as the results record it: relative to the repository, else only its name."""
+    try:
+        return str(path.resolve().relative_to(HERE.parents[1]))
+    except ValueError:
+        return path.name
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -308,7 +316,7 @@ def main() -> int:
             runs.append(run)
             (out / "results.partial.json").write_text(json.dumps(runs, default=str))
     text, by_row = table(runs, peer)
-    meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    meta = {k: (_shown(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     meta["wall_s"] = time.monotonic() - t0
     meta["peer_policy"] = peer
     (out / "results.json").write_text(json.dumps(

@@ -28,7 +28,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -39,8 +38,10 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent / "attn_runtime"))
+sys.path.insert(0, str(HERE.parent / "placement"))
 
 from burst import serve_burst  # noqa: E402
+from migration_stall import stream  # noqa: E402  (one stream's token arrival times)
 
 from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port  # noqa: E402
 
@@ -71,21 +72,9 @@ def pattern_row(args: argparse.Namespace, tokenizer: Any, logs: Path) -> dict[st
     return out
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, ids: list[int],
-                  tokens: int) -> list[float]:
-    body = {"input_ids": ids, "stream": True,
-            "sampling_params": {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}}
-    stamps: list[float] = []
-    async with session.post(url + "/generate", json=body) as response:
-        async for raw in response.content:
-            if raw.startswith(b"data:") and b"[DONE]" not in raw:
-                stamps.append(time.monotonic())
-    return stamps
-
-
 async def _streams(url: str, prompts: list[list[int]], tokens: int) -> list[list[float]]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        return list(await asyncio.gather(*(_stream(session, url, p, tokens) for p in prompts)))
+        return list(await asyncio.gather(*(stream(session, url, p, tokens) for p in prompts)))
 
 
 def _decode_step_s(streams: list[list[float]]) -> float:
@@ -114,8 +103,8 @@ def placement_server(name: str, args: argparse.Namespace, prompts: list[list[int
                 status = json.loads(r.read())
     step = _decode_step_s(streams)
     adopted = [m for m in (status or {}).get("migrations", []) if m.get("state") == "adopted"]
-    last = next((d for d in reversed((status or {}).get("decisions", []))
-                 if d.get("adopted_layers")), None)
+    last = next((d for d in (status or {}).get("decisions", [])
+                 if d.get("adopted_layers")), None)  # the first adopted: B before any move
     return {"decode_step_ms": step * 1000, "migrations_adopted": len(adopted),
             "b_before": last and float(np.mean(last["b_before"])),
             "b_after_planned": last and float(np.mean(last["b_after_planned"]))}
@@ -161,7 +150,9 @@ def main() -> int:
         raise SystemExit(f"{MOE} is missing: scripts/setup.sh builds it")
     tokenizer = AutoTokenizer.from_pretrained(MOE)
     logs = Path(tempfile.mkdtemp(prefix="real-rows-"))
-    results: dict[str, Any] = {"model": MOE.name, "args": {k: str(v) for k, v in vars(args).items()}}
+    shown = {k: (str(v.resolve().relative_to(ROOT)) if isinstance(v, Path) and
+                 v.resolve().is_relative_to(ROOT) else str(v)) for k, v in vars(args).items()}
+    results: dict[str, Any] = {"model": MOE.name, "args": shown}
     if args.only in (None, "pattern"):
         results["pattern"] = pattern_row(args, tokenizer, logs)
     if args.only in (None, "placement"):
