@@ -1,6 +1,6 @@
 """Real PD on this CPU: SGLang prefill and decode servers (SmolLM2-135M, KV over Mooncake TCP).
 
-Started once per test session and shared: two prefill servers, one decode server, and one plain
+Started once per test module and shared: two prefill servers, one decode server, and one plain
 (non-PD) server whose greedy outputs are the reference. Tests that kill a server start their own.
 """
 
@@ -28,7 +28,9 @@ def smollm2() -> Path:
     return MODEL
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: these four servers (about 8 GB) must not stay up while the
+# whole-system test and the demo start their four-rank deployments.
+@pytest.fixture(scope="module")
 def pd_servers(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     logs = tmp_path_factory.mktemp("pd-logs")
     servers = {
