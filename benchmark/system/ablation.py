@@ -47,9 +47,9 @@ from cluster import (  # noqa: E402
     smg_router_command,
     start_router,
 )
+from oas_eval import _shown, to_model_time  # noqa: E402  (model time; paths as results record them)
 from tqdm import tqdm  # noqa: E402
 
-from omniinfer.bench.client import RequestResult  # noqa: E402
 from omniinfer.bench.metrics import summarize  # noqa: E402
 from omniinfer.bench.runner import run_closed_loop  # noqa: E402
 from omniinfer.bench.workloads import WorkloadSpec, paper  # noqa: E402
@@ -103,13 +103,6 @@ def emulator_status(cluster: EmulatedCluster) -> dict[str, Any]:
             continue
         out[url] = info.get("emulator_sparse")
     return out
-
-
-def to_model_time(results: list[RequestResult], scale: float) -> list[RequestResult]:
-    return [dataclasses.replace(
-        r, ttft=None if r.ttft is None else r.ttft / scale,
-        e2e=None if r.e2e is None else r.e2e / scale, itl=[x / scale for x in r.itl],
-        start=r.start / scale, end=r.end / scale) for r in results]
 
 
 def run_row(row: Row, peer_policy: str, args: argparse.Namespace, requests: list[Any],
@@ -235,14 +228,6 @@ def sensitivity(args: argparse.Namespace, peer: str, requests: list[Any], log_di
         lines.append(f"{label:<26}" + "".join(
             f"{(item['x_none'].get(n) or float('nan')):>14.2f}" for n in names))
     return "\n".join(lines), out
-
-
-def _shown(path: Path) -> str:
-    """A path as the results record it: relative to the repository, else only its name."""
-    try:
-        return str(path.resolve().relative_to(HERE.parents[1]))
-    except ValueError:
-        return path.name
 
 
 def _interrupt(signum: int, frame: object) -> None:
