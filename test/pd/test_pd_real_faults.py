@@ -61,12 +61,12 @@ def _worker(router_url: str, url: str) -> dict[str, Any]:
     return next(w for w in workers if w["url"] == url)
 
 
-def _wait(predicate: Any, timeout_s: float) -> bool:
+def _wait(predicate: Any, timeout_s: float, poll_s: float = 0.2) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
             return True
-        time.sleep(0.2)
+        time.sleep(poll_s)
     return False
 
 
@@ -102,19 +102,22 @@ def test_prefill_killed_mid_request(pd_servers: dict[str, Any], smollm2: Path, l
     the other prefill server, or one error), the decode server frees what it reserved, the
     router ejects the victim and keeps serving through the other prefill server."""
     a, d = pd_servers["prefill_a"], pd_servers["decode"]
-    victim = pd_server(smollm2, "prefill", victim_logs, 8192, name="prefill-victim")
+    # No prefix cache and small chunks: every visit is a full prefill of several scheduler steps,
+    # long enough for the load poll below to see it (a cached prompt is done in one step).
+    victim = pd_server(smollm2, "prefill", victim_logs, 8192, name="prefill-victim",
+                       extra_args=["--disable-radix-cache", "--chunked-prefill-size", "256"])
     reference = post(pd_servers["plain"].base_url + "/generate", gen_body(LONG_PROMPT, max_new_tokens=8))
     assert reference[0] == 200, reference
     with started([victim]), omniproxy([victim, a, d], "round_robin", smollm2, logs, HEALTH) as router:
         answers: list[tuple[int, Any]] = []
         caught = False
-        for _ in range(4):  # round robin alternates; catch the one sent to the victim
+        for _ in range(6):  # round robin alternates; catch the one sent to the victim
             thread = threading.Thread(target=lambda: answers.append(post(
                 router.base_url + "/generate", gen_body(LONG_PROMPT, max_new_tokens=8),
                 timeout=180)))
             thread.start()
             caught = _wait(lambda t=thread: any(held(load(victim.base_url)).values())
-                           or not t.is_alive(), 60) and thread.is_alive()
+                           or not t.is_alive(), 60, poll_s=0.05) and thread.is_alive()
             if caught:
                 victim.kill()
                 thread.join(180)
