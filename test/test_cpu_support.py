@@ -89,17 +89,21 @@ def test_masked_moe_rejects_unknown_activation() -> None:
                            torch.randn(1, 4, 4), torch.randn(1, 4, 2), "relu2")
 
 
-def test_pynccl_argument_position_matches_installed_sglang() -> None:
+def test_pynccl_argument_is_bound_by_name_in_installed_sglang() -> None:
     from sglang.srt.distributed.parallel_state import GroupCoordinator
 
     from omniinfer.sglang_plugin import cpu_fixes
 
-    params = list(inspect.signature(GroupCoordinator.__init__).parameters)
-    assert params[cpu_fixes.USE_PYNCCL_POSITION] == "use_pynccl"
-    args, kwargs = cpu_fixes._without_pynccl("self", [[0, 1]], 0, "gloo", True, False)
-    assert args[4] is False
+    position = list(inspect.signature(GroupCoordinator.__init__).parameters).index("use_pynccl")
+    positional = ("self", [[0, 1]], 0, "gloo", True, False)
+    args, kwargs = cpu_fixes._without_pynccl(*positional)
+    assert args[position] is False and kwargs == {}
+    assert [a for i, a in enumerate(args) if i != position] == [
+        a for i, a in enumerate(positional) if i != position]
     args, kwargs = cpu_fixes._without_pynccl("self", [[0, 1]], 0, "gloo", use_pynccl=True)
-    assert kwargs["use_pynccl"] is False
+    assert args[position] is False and "use_pynccl" not in kwargs  # the same call, normalised
+    args, kwargs = cpu_fixes._without_pynccl("self", group_ranks=[[0, 1]], use_pynccl=True)
+    assert kwargs["use_pynccl"] is False and args == ("self", [[0, 1]])  # local_rank: gap
 
 
 def test_torch_fill_ins() -> None:

@@ -1,8 +1,10 @@
-"""Every HookRegistry target the plugin can register resolves in the installed SGLang.
+"""Every HookRegistry target the plugin can register, exactly, and each resolves in SGLang.
 
 HookRegistry only logs a target that does not resolve; this test runs every registration path of
 the plugin (flags, scheduler, CPU fixes with PD, OmniPlacement, OmniAttn) with a recorder in place
-of HookRegistry and resolves each target, so an SGLang upgrade that renames one fails here.
+of HookRegistry, compares the registrations with :data:`EXPECTED` (a dropped or an extra one
+fails, naming the difference) and resolves each target, so an SGLang upgrade that renames one
+fails here.
 """
 
 from __future__ import annotations
@@ -14,6 +16,37 @@ from typing import Any
 import pytest
 
 from omniinfer.flags import OmniConfig
+
+# Every registration of every path above: target -> hook kinds. Declared once; compared equal.
+EXPECTED: dict[str, set[str]] = {
+    "sglang.srt.server_args.ServerArgs.add_cli_args": {"after"},
+    "sglang.srt.server_args.ServerArgs.from_cli_args": {"before"},
+    "sglang.srt.managers.scheduler.Scheduler.__init__": {"after"},
+    "sglang.srt.distributed.parallel_state.GroupCoordinator.__init__": {"before"},
+    "sglang.srt.layers.moe.fused_moe_native.moe_forward_native": {"around"},
+    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__": {"after"},
+    "sglang.srt.managers.scheduler.Scheduler.on_idle": {"after", "around"},
+    "sglang.srt.eplb.eplb_manager.EPLBManager.on_forward_pass_end": {"around"},
+    "sglang.srt.eplb.expert_distribution._StatAccumulator.append": {"after"},
+    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend":
+        {"around"},
+    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_decode":
+        {"around"},
+    "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.evict_sliding_windows": {"around"},
+    "sglang.srt.mem_cache.unified_cache.components.swa.SWAComponent._free_out_of_window_slots":
+        {"around"},
+    "sglang.srt.mem_cache.prefill_budget.estimate_swa_kv_tokens": {"around"},
+    "sglang.srt.model_executor.pool_configurator.compute_swa_request_cap": {"around"},
+    "sglang.srt.model_executor.pool_configurator.HybridSWAPoolConfigurator"
+    ".calculate_pool_sizes_from_max_tokens": {"around"},
+    "sglang.srt.model_executor.pool_configurator.SWARequestCapPoolConfigurator"
+    ".calculate_pool_sizes_from_max_tokens": {"around"},
+    "sglang.srt.managers.scheduler.Scheduler.process_batch_result": {"after"},
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.maybe_evict_swa": {"after"},
+    "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk":
+        {"around"},
+    "sglang.srt.disaggregation.decode.DecodePreallocQueue._send_kv_metadata": {"around"},
+}
 
 
 @pytest.fixture()
@@ -48,26 +81,13 @@ def test_every_plugin_hook_target_resolves(recorded: dict[str, set[str]],
     cpu_fixes.register()
     placement_hooks.register(OmniConfig(enable_omni_placement=True))
     omni_attn.register(OmniConfig(omni_attn_pattern=pattern))
-    expected = {
-        "sglang.srt.server_args.ServerArgs.add_cli_args",
-        "sglang.srt.server_args.ServerArgs.from_cli_args",
-        "sglang.srt.managers.scheduler.Scheduler.__init__",
-        "sglang.srt.distributed.parallel_state.GroupCoordinator.__init__",
-        "sglang.srt.layers.moe.fused_moe_native.moe_forward_native",
-        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__",
-        "sglang.srt.managers.scheduler.Scheduler.on_idle",
-        omni_attn.EVICT_SLIDING_WINDOWS, omni_attn.SWA_COMPONENT_FREE,
-        omni_attn.ESTIMATE_SWA_TOKENS, omni_attn.SWA_REQUEST_CAP, omni_attn.MAYBE_EVICT_SWA,
-        omni_attn.PROCESS_BATCH_RESULT, *[f"{c}.calculate_pool_sizes_from_max_tokens"
-                                          for c in omni_attn.POOL_CONFIGURATORS],
-        f"{omni_attn.TORCH_NATIVE}.forward_extend", f"{omni_attn.TORCH_NATIVE}.forward_decode",
-        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk",
-        "sglang.srt.disaggregation.decode.DecodePreallocQueue._send_kv_metadata",
-    }
-    missing = expected - set(recorded)
-    assert not missing, f"registrations dropped: {sorted(missing)}"
-    assert any("MooncakeKVSender" in t for t in recorded)  # the PD paths were registered
-    assert "around" in recorded.get("sglang.srt.managers.scheduler.Scheduler.on_idle", set())
+    dropped = sorted(set(EXPECTED) - set(recorded))
+    extra = sorted(set(recorded) - set(EXPECTED))
+    kinds = sorted(f"{t}: {sorted(recorded[t])} != {sorted(EXPECTED[t])}"
+                   for t in set(EXPECTED) & set(recorded) if recorded[t] != EXPECTED[t])
+    assert recorded == EXPECTED, (
+        f"registrations dropped: {dropped}\nunexpected registrations: {extra}\n"
+        f"hook kinds differ: {kinds}")
     unresolved = []
     for target in recorded:
         try:

@@ -2,30 +2,32 @@
 
 The algorithm file of the installed SGLang wheel is loaded on its own: importing it through
 ``sglang.srt`` would pull in the whole serving runtime (over ten seconds) for a pure function.
+The file and its function are declared in :mod:`omniinfer.sglang_plugin.internals`
+(``DEEPSEEK_REBALANCE``), which finds the file and checks its signature.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from functools import lru_cache
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 
 from omniinfer.placement.base import Placement, PlacementError
+from omniinfer.sglang_plugin.internals import DEEPSEEK_REBALANCE, problem, source_file
 
 
 @lru_cache(maxsize=1)
 def _deepseek_module() -> ModuleType:
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
-        raise PlacementError("SGLang is not installed; the EPLB comparison needs it")
-    root = Path(next(iter(spec.submodule_search_locations)))
-    path = root / "srt" / "eplb" / "eplb_algorithms" / "deepseek.py"
+    wrong = problem(DEEPSEEK_REBALANCE)
+    if wrong is not None:
+        raise PlacementError(f"SGLang's deepseek EPLB algorithm ({DEEPSEEK_REBALANCE.path}): "
+                             f"{wrong}; the EPLB comparison needs it")
+    path = source_file(DEEPSEEK_REBALANCE)
     file_spec = importlib.util.spec_from_file_location("_sglang_eplb_deepseek", path)
-    if file_spec is None or file_spec.loader is None or not path.is_file():
-        raise PlacementError(f"SGLang's deepseek EPLB algorithm not found at {path.name}")
+    if file_spec is None or file_spec.loader is None:
+        raise PlacementError(f"SGLang's deepseek EPLB algorithm cannot be loaded from {path}")
     module = importlib.util.module_from_spec(file_spec)
     file_spec.loader.exec_module(module)
     return module

@@ -34,24 +34,21 @@ from sglang.srt.plugins.hook_registry import HookType
 from omniinfer.cpu.moe_native import masked_moe_forward
 from omniinfer.cpu.server_defaults import PD_MOONCAKE_ENV, PD_POLL_MS_ENV
 from omniinfer.cpu.torch_compat import patch_torch
-from omniinfer.sglang_plugin import hooks
+from omniinfer.sglang_plugin import hooks, internals
 
 logger = logging.getLogger("omniinfer")
 
-GROUP_COORDINATOR_INIT = "sglang.srt.distributed.parallel_state.GroupCoordinator.__init__"
-# GroupCoordinator.__init__(self, group_ranks, local_rank, torch_distributed_backend, use_pynccl, ...)
-USE_PYNCCL_POSITION = 4
+GROUP_COORDINATOR_INIT = internals.GROUP_COORDINATOR_INIT.path
 MOE_FORWARD_NATIVE = "sglang.srt.layers.moe.fused_moe_native.moe_forward_native"
 SCHEDULER_ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 MOONCAKE_SENDER_INIT = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__"
 
 
 def _without_pynccl(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if "use_pynccl" in kwargs:
-        kwargs["use_pynccl"] = False
-    elif len(args) > USE_PYNCCL_POSITION:
-        args = args[:USE_PYNCCL_POSITION] + (False,) + args[USE_PYNCCL_POSITION + 1 :]
-    return args, kwargs
+    """BEFORE ``GroupCoordinator.__init__(self, ...)``: the same call with ``use_pynccl=False``,
+    found by binding the call to the declared signature (by position or by keyword)."""
+    return internals.replace_argument(internals.GROUP_COORDINATOR_INIT, args, kwargs,
+                                      "use_pynccl", False)
 
 
 def _moe_forward_masked(

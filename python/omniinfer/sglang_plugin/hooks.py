@@ -3,8 +3,10 @@
 SGLang's ``HookRegistry.apply_hooks`` only logs when a target does not resolve (a renamed
 module or method after an upgrade); the behaviour it carried would then be silently gone.
 :func:`register` records each target the plugin asked for and :func:`verify` raises, naming the
-targets that were not applied. The scheduler-init hook calls :func:`verify`, so a scheduler
-with a missing hook stops at start-up instead of serving without it.
+targets that were not applied. The scheduler-init hook calls :func:`verify` (after
+:func:`omniinfer.sglang_plugin.internals.check`, which also checks ``HookRegistry._patched``,
+the record read here), so a scheduler with a missing hook stops at start-up instead of serving
+without it.
 """
 
 from __future__ import annotations
@@ -28,22 +30,14 @@ def register(target: str, hook: Callable[..., Any], kind: HookType, why: str) ->
 
 
 def registered() -> dict[str, str]:
+    """{target: why} of every registration so far in this process."""
     return dict(_REGISTERED)
 
 
 def unapplied() -> list[str]:
-    """Targets registered by the plugin that HookRegistry has not patched (yet or at all)."""
-    patched = getattr(HookRegistry, "_patched", None)
-    if patched is None:  # HookRegistry changed shape: check each target by resolving it
-        import pkgutil
-
-        missing = []
-        for target in _REGISTERED:
-            try:
-                pkgutil.resolve_name(target)
-            except (ImportError, AttributeError, ValueError):
-                missing.append(target)
-        return missing
+    """Targets registered by the plugin that HookRegistry has not patched (yet or at all),
+    read from ``HookRegistry._patched`` (declared in :mod:`internals`)."""
+    patched: set[str] = HookRegistry._patched
     return [t for t in _REGISTERED if t not in patched]
 
 

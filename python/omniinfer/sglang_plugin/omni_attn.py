@@ -39,6 +39,7 @@ from typing import Any
 from omniinfer.attn import runtime_window
 from omniinfer.attn.pattern import Pattern, PatternError, load
 from omniinfer.flags import OmniConfig, OmniFlagError
+from omniinfer.sglang_plugin import internals
 
 logger = logging.getLogger("omniinfer")
 
@@ -46,11 +47,9 @@ SUPPORTED_BACKENDS = ("torch_native", "omni_triton")
 PAGED_BACKENDS = ("omni_triton",)  # backends that serve compressed layers at any page size
 TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
 EVICT_SLIDING_WINDOWS = "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.evict_sliding_windows"
-SWA_COMPONENT_FREE = (
-    "sglang.srt.mem_cache.unified_cache.components.swa.SWAComponent._free_out_of_window_slots"
-)
-ESTIMATE_SWA_TOKENS = "sglang.srt.mem_cache.prefill_budget.estimate_swa_kv_tokens"
-SWA_REQUEST_CAP = "sglang.srt.model_executor.pool_configurator.compute_swa_request_cap"
+SWA_COMPONENT_FREE = internals.SWA_FREE_OUT_OF_WINDOW.path
+ESTIMATE_SWA_TOKENS = internals.ESTIMATE_SWA_TOKENS.path
+SWA_REQUEST_CAP = internals.SWA_REQUEST_CAP.path
 POOL_CONFIGURATORS = (
     "sglang.srt.model_executor.pool_configurator.HybridSWAPoolConfigurator",
     "sglang.srt.model_executor.pool_configurator.SWARequestCapPoolConfigurator",
@@ -73,7 +72,7 @@ RADIX_CONFLICTS = (
 # ---------------------------------------------------------------- launcher side
 
 
-def _model_config(model_path: str) -> Any:
+def _hf_config(model_path: str) -> Any:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_path)
@@ -82,7 +81,7 @@ def _model_config(model_path: str) -> Any:
 def load_for_model(path: str, model_path: str) -> Pattern:
     """The pattern, validated against the served model; OmniFlagError in one line if not."""
     try:
-        config = _model_config(model_path)
+        config = _hf_config(model_path)
         text_config = getattr(config, "text_config", None) or config
         pattern = load(Path(path), text_config, model_id=model_path)
     except PatternError as exc:
@@ -234,19 +233,26 @@ def _around_component_free(original: Callable[..., Any], component: Any, req: An
     return original(component, req, pre_len)
 
 
-def _with_sink_window(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Admission and pool-cap arithmetic: a compressed layer holds window + sink slots."""
-    pattern = _State.pattern
-    assert pattern is not None
-    for key in ("sliding_window_size", "window"):
-        if kwargs.get(key):
-            kwargs[key] = kwargs[key] + pattern.sink
-    return original(*args, **kwargs)
+def _with_sink_window(decl: internals.Internal) -> Callable[..., Any]:
+    """AROUND hook for the declared function whose one declared parameter is the window:
+    admission and pool-cap arithmetic count window + sink slots for a compressed layer."""
+    (name,) = decl.params
+
+    def hook(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        pattern = _State.pattern
+        assert pattern is not None
+        bound = internals.bind(decl, args, kwargs)
+        if bound.arguments.get(name):
+            bound.arguments[name] += pattern.sink
+        return original(*bound.args, **bound.kwargs)
+
+    return hook
 
 
 def _around_sizes_from_max_tokens(original: Callable[..., Any], configurator: Any,
                                   max_total_num_tokens: int, page_size: int) -> Any:
-    """``--max-total-tokens M`` means the KV bytes of M tokens in the uncompressed model."""
+    """``--max-total-tokens M`` means the KV bytes of M tokens in the uncompressed model
+    (reads the configurator's private sizes, declared in ``internals.POOL_CONFIGURATOR_FIELDS``)."""
     full_layers = configurator._full_layers_num
     swa_layers = configurator._swa_layers_num
     if full_layers == 0:
@@ -329,8 +335,8 @@ def register(config: OmniConfig) -> None:
         (f"{TORCH_NATIVE}.forward_decode", around_forward(_State.attention, True), HookType.AROUND),
         (EVICT_SLIDING_WINDOWS, _around_evict, HookType.AROUND),
         (SWA_COMPONENT_FREE, _around_component_free, HookType.AROUND),
-        (ESTIMATE_SWA_TOKENS, _with_sink_window, HookType.AROUND),
-        (SWA_REQUEST_CAP, _with_sink_window, HookType.AROUND),
+        (ESTIMATE_SWA_TOKENS, _with_sink_window(internals.ESTIMATE_SWA_TOKENS), HookType.AROUND),
+        (SWA_REQUEST_CAP, _with_sink_window(internals.SWA_REQUEST_CAP), HookType.AROUND),
         *[
             (f"{c}.calculate_pool_sizes_from_max_tokens", _around_sizes_from_max_tokens,
              HookType.AROUND)

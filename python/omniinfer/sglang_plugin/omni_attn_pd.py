@@ -29,15 +29,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from omniinfer.attn import runtime_window
+from omniinfer.sglang_plugin import internals
 
 logger = logging.getLogger("omniinfer")
 
-SEND_KV_CHUNK = (
-    "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk"
-)
-SEND_KV_METADATA = (
-    "sglang.srt.disaggregation.decode.DecodePreallocQueue._send_kv_metadata"
-)
+SEND_KV_CHUNK = internals.SEND_KV_CHUNK.path
+SEND_KV_METADATA = internals.SEND_KV_METADATA.path
 
 
 @dataclass

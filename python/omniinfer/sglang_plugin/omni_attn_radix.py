@@ -19,7 +19,9 @@ tree core: HookRegistry patches on components would be bypassed by the Rust core
   at the sink first so that the rest may go;
 - match (``create_match_validator``): a boundary is refused below a dead sink node.
 
-The rules themselves are :mod:`omniinfer.attn.radix_sink`, tested without SGLang.
+The rules themselves are :mod:`omniinfer.attn.radix_sink`, tested without SGLang. Every
+private SGLang name used here (the overridden and called methods, the tree core's fields) is
+declared in ``internals.RADIX_INTERNALS`` and checked at scheduler start-up.
 """
 
 from __future__ import annotations

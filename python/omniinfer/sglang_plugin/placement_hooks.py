@@ -9,12 +9,12 @@ from typing import Any
 from sglang.srt.plugins.hook_registry import HookType
 
 from omniinfer.flags import OmniConfig
-from omniinfer.sglang_plugin import hooks
+from omniinfer.sglang_plugin import hooks, internals
 
 logger = logging.getLogger("omniinfer")
 
 EPLB_FORWARD_PASS_END = "sglang.srt.eplb.eplb_manager.EPLBManager.on_forward_pass_end"
-STAT_ACCUMULATOR_APPEND = "sglang.srt.eplb.expert_distribution._StatAccumulator.append"
+STAT_ACCUMULATOR_APPEND = internals.STAT_ACCUMULATOR_APPEND.path
 
 
 class _State:
@@ -32,11 +32,14 @@ def _around_forward_pass_end(_original: Callable[..., Any], manager: Any) -> Non
     _State.controller.on_forward_pass_end()
 
 
-def _after_accumulator_append(_result: Any, _accumulator: Any, *args: Any, **kwargs: Any) -> None:
+def _after_accumulator_append(_result: Any, accumulator: Any, *args: Any, **kwargs: Any) -> None:
+    """Hands the pass's ``global_physical_count`` to the controller; the argument is found by
+    binding the call to ``_StatAccumulator.append``'s declared signature."""
     controller = _State.controller
     if controller is None:
         return
-    data = kwargs.get("single_pass_data", args[2] if len(args) > 2 else None)
+    bound = internals.bind(internals.STAT_ACCUMULATOR_APPEND, (accumulator, *args), kwargs)
+    data = bound.arguments.get("single_pass_data")
     if isinstance(data, dict) and "global_physical_count" in data:
         controller.on_counts(data["global_physical_count"])
 

@@ -82,6 +82,7 @@ class PlacementController:
         from omniinfer.sglang_plugin.ranks import tp_rank
 
         self.config = config
+        # EPLBManager's private fields, declared in internals (EPLB_GET_MODEL, EPLB_MODEL_CONFIG)
         self.model = manager._get_model()
         self.model_config = manager._model_config
         self.metadata = get_global_expert_location_metadata()

@@ -7,8 +7,8 @@ from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookType
 
-from omniinfer.flags import current_config
-from omniinfer.sglang_plugin import hooks
+from omniinfer.flags import OmniConfig, current_config
+from omniinfer.sglang_plugin import hooks, internals
 from omniinfer.sglang_plugin.ranks import tp_rank
 
 logger = logging.getLogger("omniinfer")
@@ -16,9 +16,22 @@ logger = logging.getLogger("omniinfer")
 SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
 
 
-def _after_scheduler_init(_result: Any, scheduler: Any, *_a: Any, **_k: Any) -> None:
+def check_sglang(config: OmniConfig) -> None:
+    """Stop this scheduler unless the installed SGLang has every private name the switched-on
+    features use (:func:`internals.check`) and every hook target resolved (:func:`hooks.verify`)."""
+    from omniinfer.cpu.detect import cpu_engine_active
+
+    internals.check(internals.start_up_features(
+        placement=config.enable_omni_placement,
+        omni_attn=config.omni_attn_pattern is not None,
+        cpu_engine=cpu_engine_active(),
+    ))
     hooks.verify()
+
+
+def _after_scheduler_init(_result: Any, scheduler: Any, *_a: Any, **_k: Any) -> None:
     config = current_config()
+    check_sglang(config)
     scheduler.omni_config = config
     logger.info("omniinfer: scheduler tp_rank=%s received omni config %s", tp_rank(), config.to_json())
 
