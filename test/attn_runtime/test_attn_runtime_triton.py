@@ -71,3 +71,27 @@ def test_kernels_on_real_sglang_pools_equal_the_masked_evaluator() -> None:
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, tail
     assert "8 passed" in proc.stdout, tail
+
+
+def test_missing_kernel_package_is_named_at_backend_creation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``omni_kernel_npu`` the pattern still loads (torch_native needs no kernels);
+    creating the ``omni_triton`` backend fails with the package and how to install it."""
+    from types import SimpleNamespace
+
+    from omniinfer.sglang_plugin import omni_attn_triton
+
+    omni_attn_triton.kernels.cache_clear()
+    for name in [m for m in sys.modules if m.startswith("omni_kernel_npu")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "omni_kernel_npu", None)  # import fails as if absent
+    try:
+        layers = omni_attn_triton.SinkRecentLayers([0], 4, 8)  # no kernel import yet
+        runner = SimpleNamespace(model_config=SimpleNamespace(is_encoder_decoder=False))
+        with pytest.raises(omni_attn_triton.KernelsMissingError,
+                           match="omni_kernel_npu.*pip install -e sgl-kernel-npu --no-deps"):
+            omni_attn_triton.create_backend(runner)
+        with pytest.raises(omni_attn_triton.KernelsMissingError):
+            _ = layers.decode_kernel
+    finally:
+        omni_attn_triton.kernels.cache_clear()

@@ -2,8 +2,9 @@
 
 Triton picks interpreter mode when a kernel is defined, and this pytest process may already
 hold triton in compiled mode (SGLang imports it), so the kernel tests run in a subprocess with
-``TRITON_INTERPRET=1``. The torch-only reference is imported here directly from the repository
-path, which also checks that importing the package does not need triton's mode settled.
+``TRITON_INTERPRET=1``. The torch-only reference is imported here from the installed package
+(``scripts/setup.sh`` installs ``sgl-kernel-npu/`` in editable mode), which also checks that
+importing the package does not need triton's mode settled.
 """
 
 from __future__ import annotations
@@ -21,9 +22,13 @@ PKG = Path(__file__).resolve().parents[2] / "sgl-kernel-npu"
 
 
 def _omni(name: str) -> ModuleType:
-    if str(PKG) not in sys.path:
-        sys.path.insert(0, str(PKG))
     return importlib.import_module(f"omni_kernel_npu.omni_attn.{name}")
+
+
+def test_kernels_are_the_installed_package_of_this_repository() -> None:
+    import omni_kernel_npu
+
+    assert Path(omni_kernel_npu.__file__).resolve().is_relative_to(PKG.resolve())
 
 
 def test_reference_keeps_sink_and_recent_window() -> None:
@@ -38,9 +43,7 @@ def test_reference_keeps_sink_and_recent_window() -> None:
 
 
 def test_kernel_suite_passes_in_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(PKG), os.environ.get("PYTHONPATH"))
-                                          if p))
+    env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(PKG / "tests")],
         cwd=PKG, env=env, capture_output=True, text=True, timeout=600,

@@ -14,41 +14,64 @@ request's sink + recent keys through ``req_to_token`` and the pool's full-to-SWA
 Any page size works: the kernels address one slot per token and SGLang's NHD pool keeps a page
 as consecutive slots. Nothing here is device-specific (Triton compiles for CUDA and, through
 triton-ascend, for Ascend; under ``TRITON_INTERPRET=1`` it runs on CPU).
+
+The kernels are the installed package ``omni_kernel_npu`` (distribution
+``omniinfer-sgl-kernel-npu``, the repository's ``sgl-kernel-npu/``; ``scripts/setup.sh``
+installs it, or ``pip install -e sgl-kernel-npu --no-deps``). They are imported when the
+backend is created, so without them only ``--attention-backend omni_triton`` fails, at start-up,
+naming the package; ``torch_native`` serving does not need them.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable, Collection
-from pathlib import Path
 from typing import Any
 
 import torch
 
 BACKEND_NAME = "omni_triton"
-KERNEL_PACKAGE = Path(__file__).resolve().parents[3] / "sgl-kernel-npu"
+KERNEL_DISTRIBUTION = "omniinfer-sgl-kernel-npu"
 
 
+class KernelsMissingError(ImportError):
+    """The ``omni_kernel_npu`` package (the OmniAttn Triton kernels) is not installed."""
+
+
+@functools.cache
 def kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
-    """(decode, extend) kernels; from the installed package, else from the repository."""
+    """(decode, extend) kernels of the installed ``omni_kernel_npu``; KernelsMissingError,
+    saying how to install it, when the package is absent."""
     try:
         from omni_kernel_npu.omni_attn import decode_sink_recent, extend_sink_recent
-    except ImportError:
-        if not KERNEL_PACKAGE.is_dir():
-            raise
-        sys.path.insert(0, str(KERNEL_PACKAGE))
-        from omni_kernel_npu.omni_attn import decode_sink_recent, extend_sink_recent
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not exc.name.startswith("omni_kernel_npu"):
+            raise  # the package is there but one of its own imports failed: show that
+        raise KernelsMissingError(
+            f"--attention-backend {BACKEND_NAME} needs the OmniAttn Triton kernels, package "
+            f"omni_kernel_npu (distribution {KERNEL_DISTRIBUTION}, the repository's "
+            "sgl-kernel-npu/), which is not installed: run scripts/setup.sh or "
+            "`pip install -e sgl-kernel-npu --no-deps` from the repository root",
+            name="omni_kernel_npu",
+        ) from exc
     return decode_sink_recent.decode_sink_recent, extend_sink_recent.extend_sink_recent
 
 
 class SinkRecentLayers:
-    """Which layers are compressed and how: the pattern's part the attention needs."""
+    """Which layers are compressed and how: the pattern's part the attention needs. The
+    kernels are looked up on first use (:func:`kernels`)."""
 
     def __init__(self, layers: Collection[int], sink: int, recent: int) -> None:
         self.layers = frozenset(layers)
         self.sink, self.recent = sink, recent
-        self.decode_kernel, self.extend_kernel = kernels()
+
+    @property
+    def decode_kernel(self) -> Callable[..., torch.Tensor]:
+        return kernels()[0]
+
+    @property
+    def extend_kernel(self) -> Callable[..., torch.Tensor]:
+        return kernels()[1]
 
     def handles(self, pool: Any, layer: Any) -> bool:
         mapping = getattr(pool, "layers_mapping", None)
@@ -161,6 +184,7 @@ def create_backend(runner: Any) -> Any:
     """SGLang's factory signature (``ATTENTION_BACKENDS[name](model_runner)``)."""
     if runner.model_config.is_encoder_decoder:
         raise ValueError(f"--attention-backend {BACKEND_NAME}: no cross attention")
+    kernels()  # a missing kernel package stops the server here, naming it
     return backend_class()(runner)
 
 
