@@ -1,5 +1,6 @@
 """The real SGLang 0.5.23 engine with ``--kv-events-config``: OmniProxy in ``--cache-truth
-kv-events`` mode follows what it stores and evicts (one small CPU server, tiny Llama)."""
+kv-events`` mode follows what it stores and evicts, and reads its load feed
+(``--load-publish-endpoint auto``) instead of polling (one small CPU server, tiny Llama)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def cluster(tiny_models: dict[str, Path],
     config = json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{kv}", "topic": "kv"})
     command = cpu_server_command(tiny_models["llama"], port, max_total_tokens=POOL,
                                  extra_args=["--kv-events-config", config,
+                                             "--load-publish-endpoint", "auto",
                                              "--chunked-prefill-size", "512"])
     with SGLangServer(command, cpu_env(), tmp / "server.log", port) as server:
         base = ["--worker-urls", server.base_url, "--apc-block-size", str(BLOCK),
@@ -114,3 +116,41 @@ def test_sglang_events_drive_the_router_index(cluster: dict[str, Any]) -> None:
     assert _tally(events, "kv-events") == {**before, "exact": before["exact"] + 1}
     assert wait_until(lambda: "omniproxy_cache_prediction_total" in get(
         events.base_url + "/metrics")[1], timeout=5)
+
+
+def test_sglang_load_feed_drives_the_router_loads(cluster: dict[str, Any], tmp_path: Path) -> None:
+    """The router finds the real server's load feed, takes its readings as the worker's loads
+    (the poll stands aside), and the emulator advertises the feed with the same keys."""
+    server, events = cluster["server"], cluster["events"]
+    url = server.base_url
+    block = get(url + "/server_info")[1]["kv_events"]
+    assert block["load_endpoint_port_base"] == cluster["kv"] + 1 and block["load_topic"] == "load"
+    assert wait_until(lambda: get(events.base_url + "/list_workers")[1]["load_feed"]["workers"]
+                      [url]["load_source"] == "feed", timeout=15)
+    feed = get(events.base_url + "/list_workers")[1]["load_feed"]["workers"][url]
+    assert feed["ranks"][0]["endpoint"] == f"tcp://127.0.0.1:{cluster['kv'] + 1}"
+    before = feed["ranks"][0]["readings"]
+    _send(events, _prompt(4242, 300))  # a prefill batch publishes a reading at its end
+    assert wait_until(lambda: get(events.base_url + "/list_workers")[1]["load_feed"]["workers"]
+                      [url]["ranks"][0]["readings"] > before, timeout=10)
+    worker = next(w for w in get(events.base_url + "/list_workers")[1]["workers"]
+                  if w["url"] == url)
+    polled = get(url + "/v1/loads")[1]["loads"][0]
+    assert worker["loads"]["max_total_tokens"] == polled["max_total_num_tokens"] == POOL
+    assert worker["loads"]["max_running_reqs"] == polled["max_running_requests"]
+    assert worker["loads"]["prefill_uncached_tokens"] == polled["total_prefill_uncached_tokens"]
+
+    from omniinfer.emulator.process import EmulatorProcess
+
+    kv = free_port()
+    emulated = EmulatorProcess(profile="cpu-smollm2", extra_args=[
+        "--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{kv}",
+                                          "topic": "kv"}),
+        "--load-publish-endpoint", "auto"], log_path=tmp_path / "emulator.log").start()
+    try:
+        theirs = get(emulated.url + "/server_info")[1]["kv_events"]
+    finally:
+        emulated.stop()
+    assert set(theirs) == set(block)
+    assert {k: v for k, v in theirs.items() if "port" not in k} == \
+        {k: v for k, v in block.items() if "port" not in k}

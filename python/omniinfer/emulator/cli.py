@@ -12,6 +12,7 @@ from omniinfer.emulator.faults import FaultError, Faults
 from omniinfer.emulator.profile import Profile, ProfileError, load_profile, shipped_profiles
 from omniinfer.emulator.sparse import MOE_MODELS, PLACEMENTS, AttnPattern, MoeConfig
 from omniinfer.kv_events import parse_kv_events_config
+from omniinfer.load_feed import DECODE_PUBLISH_INTERVAL, resolve_load_endpoint
 
 # --moe-<field> and --attn-<field> flags: each overrides the profile's moe / attn_pattern value
 MOE_HELP = {
@@ -72,6 +73,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="publish the radix cache's KV events over ZMQ as SGLang does, e.g. "
                    '\'{"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": ""}\'')
+    p.add_argument("--load-publish-endpoint", default=None, metavar="auto|off|tcp://*:PORT",
+                   help="publish the runtime load on a ZMQ PUB socket as SGLang does (needs "
+                   "--kv-events-config; auto: the port after the KV-event port), advertised in "
+                   "/server_info's kv_events block")
+    p.add_argument("--load-snapshot-publish-interval", type=int, default=DECODE_PUBLISH_INTERVAL,
+                   metavar="N", help="with --load-publish-endpoint: publish after every Nth "
+                   "decode pass (every prefill pass publishes)")
     p.add_argument("--request-log-size", type=int, default=256, metavar="N",
                    help="generation requests and aborts kept for GET /emulator/requests (0: none)")
     f = p.add_argument_group("faults", "switched at run time with POST /emulator/faults (JSON of "
@@ -146,6 +154,16 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"error: --kv-events-config: {exc}", file=sys.stderr)
             return 2
+    try:
+        resolve_load_endpoint(args.load_publish_endpoint,
+                              parse_kv_events_config(args.kv_events_config)
+                              if args.kv_events_config else None)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.load_snapshot_publish_interval < 1:
+        print("error: --load-snapshot-publish-interval must be >= 1", file=sys.stderr)
+        return 2
     if args.request_log_size < 0:
         print("error: --request-log-size must be >= 0", file=sys.stderr)
         return 2
@@ -161,7 +179,9 @@ def run(args: argparse.Namespace) -> int:
             profile, args.port, host=args.host, mode=args.disaggregation_mode,
             bootstrap_port=args.disaggregation_bootstrap_port, time_scale=args.time_scale,
             incremental_streaming_output=args.incremental_streaming_output,
-            kv_events_config=args.kv_events_config, faults=faults, request_log_size=args.request_log_size,
+            kv_events_config=args.kv_events_config,
+            load_publish_endpoint=args.load_publish_endpoint,
+            load_snapshot_publish_interval=args.load_snapshot_publish_interval, faults=faults, request_log_size=args.request_log_size,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -88,6 +88,8 @@ class EmulatedEngine:
         self._gen_window: collections.deque[tuple[float, int]] = collections.deque()
         self._tasks: set[asyncio.Task[None]] = set()
         self._seq = itertools.count()
+        self.passing = False  # inside a prefill or decode pass (the load feed waits for its end)
+        self.on_pass: Callable[[str], None] | None = None  # after each pass: "prefill" | "decode"
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -223,6 +225,8 @@ class EmulatedEngine:
                 self.stats.prefill_passes += 1
                 self.stats.prefill_busy_s += duration
                 self._after_prefill(batch)
+                if self.on_pass is not None:
+                    self.on_pass("prefill")
             elif self.running:
                 kv = sum(self.kv.footprint(len(r.input_ids) + len(r.output_ids)) for r in self.running)
                 duration, stall = self._moe(self.cost.decode_time(len(self.running), kv))
@@ -230,6 +234,8 @@ class EmulatedEngine:
                 self.stats.decode_steps += 1
                 self.stats.decode_busy_s += duration
                 self._after_decode()
+                if self.on_pass is not None:
+                    self.on_pass("decode")
             else:
                 self._wake.clear()
                 await self._wake.wait()
@@ -249,7 +255,11 @@ class EmulatedEngine:
         if self._wall_target < now - 0.25:  # idle before, or hopelessly behind: restart the schedule
             self._wall_target = now
         self._wall_target += duration * self.time_scale
-        await asyncio.sleep(max(self._wall_target - now, 0.0))
+        self.passing = True
+        try:
+            await asyncio.sleep(max(self._wall_target - now, 0.0))
+        finally:
+            self.passing = False
 
     def _admitted(self) -> list[EmuRequest]:
         """Requests holding KV and a running slot (their output reserve counts at admission)."""

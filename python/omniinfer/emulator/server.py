@@ -26,12 +26,14 @@ from omniinfer.emulator import status
 from omniinfer.emulator.engine import EmulatedEngine
 from omniinfer.emulator.faults import FaultError, Faults, RequestLog
 from omniinfer.emulator.kv_events import ZmqKvEventPublisher
+from omniinfer.emulator.load_publisher import LoadPublisher
 from omniinfer.emulator.metrics import WorkerMetrics
 from omniinfer.emulator.pd import bootstrap_app, pull_kv
 from omniinfer.emulator.profile import Profile
 from omniinfer.emulator.protocol import BadRequest, validation_error
 from omniinfer.emulator.request import EmuRequest
 from omniinfer.kv_events import parse_kv_events_config
+from omniinfer.load_feed import DECODE_PUBLISH_INTERVAL, resolve_load_endpoint
 
 logger = logging.getLogger("omniinfer.emulator")
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST
@@ -65,6 +67,8 @@ class WorkerServer:
         time_scale: float = 1.0,
         incremental_streaming_output: bool = False,
         kv_events_config: str | None = None,
+        load_publish_endpoint: str | None = None,
+        load_snapshot_publish_interval: int = DECODE_PUBLISH_INTERVAL,
         faults: Faults | None = None,
         request_log_size: int = 256,
     ) -> None:
@@ -74,8 +78,14 @@ class WorkerServer:
         self.model_name = profile.model.served_model_name
         # SGLang's --kv-events-config (raw JSON, as /server_info reports it); ValueError if bad
         kv_events = parse_kv_events_config(kv_events_config) if kv_events_config else None
+        # --load-publish-endpoint: ValueError naming the reason if it cannot work
+        load_endpoint = resolve_load_endpoint(load_publish_endpoint, kv_events)
         self.info = status.WorkerInfo(profile, mode, host, port, bootstrap_port, time_scale,
-                                      kv_events_config, kv_events)
+                                      kv_events_config, kv_events, load_publish_endpoint,
+                                      load_endpoint)
+        self.load_publisher = None if load_endpoint is None else LoadPublisher(
+            *load_endpoint, snapshot=lambda: status.load_stat(self.info, self.engine),
+            passing=lambda: self.engine.passing, decode_interval=load_snapshot_publish_interval)
         self.metrics = WorkerMetrics(self.info, self.engine)
         self.faults = faults or Faults()
         self.log = RequestLog(request_log_size)
@@ -119,6 +129,9 @@ class WorkerServer:
             self.kv_publisher.start()
             if self.engine.kv.tree is not None:
                 self.engine.kv.tree.attach_events(self.kv_publisher.recorder)
+        if self.load_publisher is not None:
+            self.load_publisher.start()
+            self.engine.on_pass = self.load_publisher.after_pass
         self.engine.start()
         if self.info.mode == "decode":
             self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
@@ -127,6 +140,8 @@ class WorkerServer:
         await self.engine.stop()
         if self.kv_publisher is not None:
             await self.kv_publisher.close()
+        if self.load_publisher is not None:
+            await self.load_publisher.close()
         if self._client is not None:
             await self._client.close()
 

@@ -18,6 +18,7 @@ from omniinfer.emulator.engine import EmulatedEngine
 from omniinfer.emulator.kv_events import server_info_block
 from omniinfer.emulator.profile import Profile
 from omniinfer.kv_events import KvEventsConfig
+from omniinfer.load_feed import LOAD_TOPIC, LoadStat
 
 LOADS_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
 
@@ -34,6 +35,8 @@ class WorkerInfo:
     time_scale: float
     kv_events_raw: str | None = None
     kv_events: KvEventsConfig | None = None
+    load_publish_raw: str | None = None  # --load-publish-endpoint as given
+    load_endpoint: tuple[str, int] | None = None  # resolved (bind host, port); None: off
     start_ts: float = dataclasses.field(default_factory=time.time)
 
     @property
@@ -80,9 +83,30 @@ def _server_args(info: WorkerInfo) -> dict[str, Any]:
         "launch_command": f"omniinfer emulate-worker --profile {info.profile.name} --port {info.port} "
                           f"--disaggregation-mode {info.mode} --time-scale {info.time_scale}",
         "emulated": True, "emulator_profile": info.profile.name, "emulator_time_scale": info.time_scale,
-        "kv_events_config": info.kv_events_raw, "kv_events": server_info_block(info.kv_events),
+        "kv_events_config": info.kv_events_raw, "kv_events": _kv_events_block(info),
+        "load_publish_endpoint": info.load_publish_raw,
     })
     return template
+
+
+def _kv_events_block(info: WorkerInfo) -> dict[str, Any] | None:
+    """SGLang's ``kv_events`` block, with the load feed's port and topic when it publishes one."""
+    block = server_info_block(info.kv_events)
+    if block is not None and info.load_endpoint is not None:
+        block["load_endpoint_port_base"] = info.load_endpoint[1]
+        block["load_topic"] = LOAD_TOPIC
+    return block
+
+
+def load_stat(info: WorkerInfo, engine: EmulatedEngine) -> LoadStat:
+    """The load feed's reading: the same figures as the ``/v1/loads`` entry."""
+    e, kv = engine, engine.kv
+    used = kv.used()
+    return LoadStat(
+        e.num_running(), e.num_waiting(), used, kv.capacity, 0, e.waiting_uncached_tokens(),
+        used, info.profile.capacity.max_running_requests,
+        e.stats.prompt_tokens_total - e.stats.cached_tokens_total,
+        int(e.stats.prefill_busy_s * info.time_scale * 1e6))
 
 
 def sparse(info: WorkerInfo, engine: EmulatedEngine) -> dict[str, Any]:

@@ -120,6 +120,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--disable-circuit-breaker", action="store_true")
     q.add_argument("--loads-poll-interval-secs", type=float,
                    help="poll each worker's /v1/loads this often (0: never)")
+    q.add_argument("--load-feed", choices=("auto", "off"),
+                   help="auto (default): read the load of a worker that advertises SGLang's "
+                   "load feed (--load-publish-endpoint) from it, polling it only while the "
+                   "feed is silent; off: poll every worker")
     a = p.add_argument_group("security (as sglang_router)")
     a.add_argument("--api-key",
                    help="sent to workers as 'Authorization: Bearer KEY'; clients must present "

@@ -67,6 +67,7 @@ class RouterConfig:
     cb_timeout_duration_secs: float = 10.0
     disable_circuit_breaker: bool = False
     loads_poll_interval_secs: float = 1.0
+    load_feed: str = "auto"  # auto: a worker's advertised load feed replaces polling it
     default_max_new_tokens: int = 128
     access_log: str | None = None
     access_log_max_bytes: int = 256 << 20  # rotate past this size

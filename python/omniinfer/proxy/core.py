@@ -30,6 +30,7 @@ from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.http1 import Http1Pool
 from omniinfer.proxy.kv_subscriber import CacheTruth, parse_endpoint_overrides
 from omniinfer.proxy.listener import Listener
+from omniinfer.proxy.load_feed import LoadFeeds
 from omniinfer.proxy.metrics import AccessLog, ProxyMetrics
 from omniinfer.proxy.prefix import PrefixIndex, block_hashes
 from omniinfer.proxy.tokenization import (
@@ -62,6 +63,8 @@ class Router:
                                       self.get_json,
                                       parse_endpoint_overrides(config.kv_events_endpoints),
                                       config.kv_events_max_dp_size, config.kv_events_max_pages)
+        self.load_feeds = LoadFeeds(config.load_feed, self.get_json, self._loads_changed,
+                                    config.kv_events_max_dp_size)
         self.policies: dict[Role, Policy] = {
             role: create_policy(config.policy_for(role.value),
                                 PolicyContext(config, self.indexes[role], role))
@@ -116,7 +119,8 @@ class Router:
         await self.check_health(initial=True)
         self.tokenizer = await self._find_tokenizer()
         log.info("tokenizer: %s", self.tokenizer.name)
-        await asyncio.gather(*(self.cache_truth.attach(w) for w in self.pool.all()))
+        await asyncio.gather(*(self.cache_truth.attach(w) for w in self.pool.all()),
+                             *(self.load_feeds.attach(w) for w in self.pool.all()))
         for url in set(self.cache_truth.explicit) - {w.url for w in self.pool.all()}:
             log.warning("--kv-events-endpoint names %s, which is no worker (yet)", url)
         if not self.config.disable_health_check:
@@ -155,6 +159,7 @@ class Router:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=2.0)
         await self.cache_truth.close()
+        await self.load_feeds.close()
         if self.session is not None:
             await self.session.close()
         await self.http.close()
@@ -279,6 +284,9 @@ class Router:
                     log.warning("worker re-admitted: %s", worker.url)
                     if self.cache_truth.enabled and not self.cache_truth.follows(worker):
                         self.spawn(self.cache_truth.attach(worker))
+                    if not self.load_feeds.live(worker):  # it may publish elsewhere now
+                        self.load_feeds.detach(worker)
+                        self.spawn(self.load_feeds.attach(worker))
         else:
             worker.health_successes = 0
             worker.health_failures += 1
@@ -308,15 +316,23 @@ class Router:
             await self.check_health(only_unhealthy=not full)
 
     async def poll_loads(self) -> None:
-        workers = [w for w in self.pool.all() if w.healthy and w.loads_supported]
+        """Poll /v1/loads of every healthy worker whose load feed is not live."""
+        workers = [w for w in self.pool.all()
+                   if w.healthy and w.loads_supported and not self.load_feeds.live(w)]
         results = await asyncio.gather(*(self._poll_one(w) for w in workers))
         for worker, data in zip(workers, results, strict=True):
-            if data is None:
+            if data is None or self.load_feeds.live(worker):  # the feed spoke meanwhile
                 continue
             worker.loads = WorkerLoads.from_json(data, time.time())
-            policy = self.policies.get(worker.role)
-            if policy is not None:
-                policy.on_loads(worker)
+            self._loads_changed(worker)
+
+    def _loads_changed(self, worker: Worker) -> None:
+        """``worker.loads`` is new (a poll or its load feed): the policy of its role hears it."""
+        if self.pool.get(worker.url) is not worker:
+            return
+        policy = self.policies.get(worker.role)
+        if policy is not None:
+            policy.on_loads(worker)
 
     async def _poll_one(self, worker: Worker) -> Any:
         assert self.session is not None
@@ -352,6 +368,7 @@ class Router:
         self.pool.add(worker)
         self.policies[role].on_workers_changed(self.pool.role(role))
         await self.cache_truth.attach(worker)
+        await self.load_feeds.attach(worker)
         return worker
 
     def remove_worker(self, url: str) -> Worker:
@@ -361,6 +378,7 @@ class Router:
         self.pool.remove(worker.url)
         self.metrics.forget_worker(worker)
         self.cache_truth.detach(worker)
+        self.load_feeds.detach(worker)
         self.indexes[worker.role].clear(worker.url)
         self.http.drop(worker.url)
         self.policies[worker.role].on_workers_changed(self.pool.role(worker.role))
@@ -398,6 +416,7 @@ class Router:
             "tokenizer": self.tokenizer.name,
             "apc_block_size": self.config.apc_block_size,
             "cache_truth": self.cache_truth.describe(),
+            "load_feed": self.load_feeds.describe(),
             "cache_prediction": {label: tally.as_dict()
                                  for label, tally in self.metrics.predictions.items()},
             "admission": {"active": self.admission.active, "queued": self.admission.queued,

@@ -90,7 +90,7 @@ def _ranks(value: Any, max_ranks: int) -> int:
     return value
 
 
-def _dial(endpoint: str, rank: int, worker_host: str) -> str:
+def dial_rank(endpoint: str, rank: int, worker_host: str) -> str:
     """Rank ``rank``'s endpoint, dialled on the worker's own host; NoEvents if it names another
     host or a port out of range (a worker's answer must not point the router elsewhere)."""
     try:
@@ -135,8 +135,8 @@ def sources_from_server_info(info: Any, worker_host: str, max_ranks: int = 64
         ranks = _ranks(info.get("dp_size"), max_ranks)
         endpoint, replay_endpoint, topic = config.endpoint, config.replay_endpoint, config.topic
         size = info.get("page_size")
-    sources = [Source(_dial(endpoint, r, worker_host), topic,
-                      _dial(replay_endpoint, r, worker_host) if replay_endpoint else None)
+    sources = [Source(dial_rank(endpoint, r, worker_host), topic,
+                      dial_rank(replay_endpoint, r, worker_host) if replay_endpoint else None)
                for r in range(ranks)]
     return sources, size if isinstance(size, int) and not isinstance(size, bool) else None
 

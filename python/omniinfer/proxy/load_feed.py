@@ -1,0 +1,235 @@
+"""``--load-feed auto``: read each worker's own load from SGLang's load feed instead of polling.
+
+A worker started with ``--load-publish-endpoint`` (beside ``--kv-events-config``) advertises its
+feed in ``/server_info`` (``kv_events.load_endpoint_port_base`` and ``load_topic``; one PUB
+socket per DP rank on base + rank; wire format in ``omniinfer.load_feed``). Per such worker the
+router keeps one SUB socket per rank, dialled on the worker's own host only. Every reading
+replaces that rank's part of ``worker.loads`` at once, and the policy hears of it
+(``on_loads``), so the router sees a prefill batch's effect when the batch ends rather than at
+the next poll. Contracts:
+
+- A worker's feed is *live* while every rank was heard within ``STALE_AFTER_S`` (SGLang sends a
+  heartbeat each second). While live, the poll of ``/v1/loads`` skips the worker; once stale
+  (the worker died, restarted on other ports, or the network dropped) the poll serves it again,
+  and the feed takes over again by itself when readings resume.
+- A worker that advertises no feed, or an unusable one (too many ranks, another host, bad
+  ports), is polled, with one warning naming the reason; the router never fails for it.
+- Figures the feed does not carry (``gen_throughput``) keep their last polled value.
+- Messages that do not decode are counted and skipped; the router's hot path never waits on a
+  socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from omniinfer.kv_events import ProtocolError, seq_from
+from omniinfer.load_feed import STALE_AFTER_S, LoadStat, decode_load
+from omniinfer.proxy.kv_subscriber import NoEvents, dial_rank
+from omniinfer.proxy.workers import Worker, WorkerLoads
+
+log = logging.getLogger("omniinfer.proxy")
+MODES = ("auto", "off")
+FetchJson = Callable[[Worker, str, float], Awaitable[Any]]
+
+
+class NoFeed(Exception):
+    """This worker advertises no usable load feed (the reason is the message)."""
+
+
+def feed_endpoints(info: Any, worker_host: str, max_ranks: int = 64) -> tuple[list[str], str]:
+    """The load-feed endpoints (one per DP rank) and topic a ``/server_info`` answer advertises,
+    dialled on ``worker_host``; ``NoFeed`` naming the reason otherwise."""
+    block = info.get("kv_events") if isinstance(info, dict) else None
+    if not isinstance(block, dict):
+        raise NoFeed("it publishes no KV events, so no load feed (--kv-events-config and "
+                     "--load-publish-endpoint)")
+    base = block.get("load_endpoint_port_base")
+    if not isinstance(base, int) or isinstance(base, bool):
+        raise NoFeed("it advertises no load feed (start it with --load-publish-endpoint auto)")
+    ranks = block.get("dp_size", 1)
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or not 1 <= ranks <= max_ranks:
+        raise NoFeed(f"dp_size {ranks!r} is not within 1..{max_ranks}")
+    host = str(block.get("endpoint_host") or "*")
+    try:
+        endpoints = [dial_rank(f"tcp://{host}:{base}", r, worker_host) for r in range(ranks)]
+    except NoEvents as exc:
+        raise NoFeed(str(exc)) from None
+    return endpoints, str(block.get("load_topic") or "load")
+
+
+@dataclasses.dataclass
+class RankFeed:
+    """One rank's socket and what the router last heard on it."""
+
+    endpoint: str
+    last: LoadStat | None = None
+    heard_at: float = 0.0  # monotonic
+    last_seq: int | None = None
+    readings: int = 0
+    malformed: int = 0
+
+    def describe(self, now: float) -> dict[str, Any]:
+        age = None if self.last is None else round(now - self.heard_at, 3)
+        return {"endpoint": self.endpoint, "readings": self.readings, "last_seq": self.last_seq,
+                "malformed": self.malformed, "age_s": age}
+
+
+def merged_loads(ranks: list[RankFeed], previous: WorkerLoads) -> WorkerLoads:
+    """The worker's loads summed over its ranks' last readings (as ``WorkerLoads.from_json``
+    sums /v1/loads entries); ``gen_throughput`` kept from ``previous``."""
+    loads = WorkerLoads(gen_throughput=previous.gen_throughput, polled_at=time.time())
+    usages = []
+    for rank in ranks:
+        s = rank.last
+        if s is None:
+            continue
+        loads.running_reqs += s.num_running_reqs
+        loads.waiting_reqs += s.num_waiting_reqs
+        loads.waiting_uncached_tokens += s.num_waiting_uncached_tokens
+        loads.used_tokens += s.num_tokens
+        loads.max_total_tokens += s.max_total_num_tokens
+        loads.max_running_reqs += s.max_running_requests
+        loads.prefill_busy_us += s.total_prefill_busy_us
+        loads.prefill_uncached_tokens += s.total_prefill_uncached_tokens
+        usages.append(s.num_tokens / s.max_total_num_tokens if s.max_total_num_tokens else 0.0)
+    loads.token_usage = max(usages, default=0.0)
+    return loads
+
+
+class WorkerFeed:
+    """The subscriber tasks of one worker (one per rank)."""
+
+    def __init__(self, worker: Worker, endpoints: list[str], topic: str,
+                 ctx: zmq.asyncio.Context, on_loads: Callable[[Worker], None]) -> None:
+        self.worker = worker
+        self.topic = topic
+        self.ranks = [RankFeed(e) for e in endpoints]
+        self._ctx = ctx
+        self._on_loads = on_loads
+        self._tasks = [asyncio.get_running_loop().create_task(self._run(r)) for r in self.ranks]
+
+    def live(self, now: float) -> bool:
+        return all(r.last is not None and now - r.heard_at <= STALE_AFTER_S for r in self.ranks)
+
+    def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    async def close(self) -> None:
+        self.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self, rank: RankFeed) -> None:
+        while True:
+            sock = self._ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.subscribe(self.topic.encode())
+            sock.connect(rank.endpoint)
+            try:
+                while True:
+                    frames = await sock.recv_multipart()
+                    while sock.get(zmq.EVENTS) & zmq.POLLIN:  # only the newest reading counts
+                        frames = await sock.recv_multipart()
+                    self._apply(rank, frames)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug or a broken socket: start over
+                log.exception("load feed %s: subscriber failed; re-subscribing", rank.endpoint)
+                await asyncio.sleep(1.0)
+            finally:
+                sock.close(linger=0)
+
+    def _apply(self, rank: RankFeed, frames: list[bytes]) -> None:
+        try:
+            if len(frames) != 3:
+                raise ProtocolError(f"{len(frames)} frames, expected topic, sequence, payload")
+            seq = seq_from(frames[1])
+            stat = decode_load(frames[2])
+        except ProtocolError as exc:
+            rank.malformed += 1
+            if rank.malformed == 1:
+                log.warning("load feed %s: malformed message: %s", rank.endpoint, exc)
+            return
+        rank.last, rank.heard_at, rank.last_seq = stat, time.monotonic(), seq
+        rank.readings += 1
+        if self.live(rank.heard_at):
+            self.worker.loads = merged_loads(self.ranks, self.worker.loads)
+            self._on_loads(self.worker)
+
+    def describe(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {"load_source": "feed" if self.live(now) else "poll (feed stale)",
+                "ranks": [r.describe(now) for r in self.ranks]}
+
+
+class LoadFeeds:
+    """Which workers' loads come from their feed, and their subscriptions."""
+
+    def __init__(self, mode: str, fetch_json: FetchJson, on_loads: Callable[[Worker], None],
+                 max_ranks: int = 64) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown load feed mode {mode!r}: {' or '.join(MODES)}")
+        self.mode = mode
+        self.fetch_json = fetch_json
+        self.on_loads = on_loads
+        self.max_ranks = max_ranks
+        self._feeds: dict[str, WorkerFeed] = {}
+        self._polled: dict[str, str] = {}  # url -> why it is polled
+        self._ctx: zmq.asyncio.Context | None = None
+
+    def live(self, worker: Worker) -> bool:
+        """True while the worker's feed is fresh: polling it would only repeat what it said."""
+        feed = self._feeds.get(worker.url)
+        return feed is not None and feed.live(time.monotonic())
+
+    async def attach(self, worker: Worker) -> None:
+        """Subscribe to ``worker``'s feed if it advertises one (mode auto); else keep polling."""
+        if self.mode == "off" or worker.url in self._feeds:
+            return
+        try:
+            info = await self.fetch_json(worker, "/server_info", 10.0)
+            endpoints, topic = feed_endpoints(info, worker.host, self.max_ranks)
+        except Exception as exc:  # noqa: BLE001 - a bad answer never stops the router
+            reason = str(exc) if isinstance(exc, NoFeed) else f"unusable /server_info: {exc}"
+            if self._polled.get(worker.url) != reason:
+                log.info("load feed: %s: %s; polling /v1/loads", worker.url, reason)
+            self._polled[worker.url] = reason
+            return
+        if worker.url in self._feeds:  # attached meanwhile
+            return
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        self._polled.pop(worker.url, None)
+        self._feeds[worker.url] = WorkerFeed(worker, endpoints, topic, self._ctx, self.on_loads)
+        log.info("load feed: %s publishes its load on %s", worker.url, ", ".join(endpoints))
+
+    def detach(self, worker: Worker) -> None:
+        self._polled.pop(worker.url, None)
+        feed = self._feeds.pop(worker.url, None)
+        if feed is not None:
+            feed.cancel()
+
+    async def close(self) -> None:
+        for url in list(self._feeds):
+            await self._feeds.pop(url).close()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    def describe(self) -> dict[str, Any]:
+        workers: dict[str, Any] = {url: f.describe() for url, f in self._feeds.items()}
+        for url, reason in self._polled.items():
+            workers[url] = {"load_source": "poll", "reason": reason}
+        return {"mode": self.mode, "workers": workers}
