@@ -29,17 +29,22 @@ __all__ = ["PEERS", "EmulatedCluster", "add_peer_args", "free_port", "omni_poll_
            "start_router"]
 
 
-def kv_events_args() -> list[str]:
-    """``--kv-events-config`` of one emulator: SGLang's ZMQ publisher on a free port."""
-    return ["--kv-events-config",
+def kv_events_args(load_feed: bool = False) -> list[str]:
+    """``--kv-events-config`` of one emulator: SGLang's ZMQ publisher on a free port; with
+    ``load_feed`` also SGLang's load feed (``--load-publish-endpoint``) on another one."""
+    args = ["--kv-events-config",
             json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{free_port()}"})]
+    if load_feed:
+        args += ["--load-publish-endpoint", f"tcp://*:{free_port()}"]
+    return args
 
 
 class EmulatedCluster:
     """``n_prefill`` prefill and ``n_decode`` decode emulators of one profile, or ``n_regular``
     regular (non-PD) ones (``profile``: one name, or one per mode ``{"prefill": ...,
     "decode": ...}``; each publishing its KV events if ``kv_events``, for a router with
-    ``--cache-truth kv-events``); ``cache_extra`` goes to the workers with a prefix cache only
+    ``--cache-truth kv-events``; and their load feed too if ``load_feed``, for a router with
+    ``--load-feed auto``); ``cache_extra`` goes to the workers with a prefix cache only
     (prefill and regular), e.g. a smaller ``--max-total-tokens``, and ``decode_extra`` to the
     decode workers only."""
 
@@ -47,9 +52,12 @@ class EmulatedCluster:
                  time_scale: float,
                  log_dir: Path, extra: tuple[str, ...] = (), kv_events: bool = False,
                  n_regular: int = 0, cache_extra: tuple[str, ...] = (),
-                 decode_extra: tuple[str, ...] = ()) -> None:
+                 decode_extra: tuple[str, ...] = (), load_feed: bool = False) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        events = kv_events_args if kv_events else list
+
+        def events() -> list[str]:
+            return kv_events_args(load_feed) if kv_events or load_feed else []
+
         keep = ["--request-log-size", "0"]  # the request log is for tests: no memory for it here
         profiles = profile if isinstance(profile, dict) else {}  # per mode, or one for all
         self.procs = [EmulatorProcess(mode, profiles.get(mode, profile), time_scale, extra_args=[
@@ -114,9 +122,10 @@ def _roles(cluster: EmulatedCluster, prefill_policy: str, decode_policy: str) ->
 
 def omni_router_args(cluster: EmulatedCluster, prefill_policy: str, decode_policy: str,
                      access_log: Path | None = None, cache_truth: str = "router",
-                     ttft_slo_secs: float | None = None, poll_s: float = 0.5) -> list[str]:
+                     ttft_slo_secs: float | None = None, poll_s: float = 0.5,
+                     load_feed: str = "auto") -> list[str]:
     roles = _roles(cluster, prefill_policy, decode_policy)
-    args = [*roles, "--cache-truth", cache_truth, "--log-level", "warn",
+    args = [*roles, "--cache-truth", cache_truth, "--load-feed", load_feed, "--log-level", "warn",
             "--loads-poll-interval-secs", f"{poll_s:g}", "--max-concurrent-requests", "4096"]
     for url, boot in cluster.prefill:
         args += ["--prefill", url, str(boot)]

@@ -82,13 +82,17 @@ class Target:
     router: str  # "omni" | "smg" | "sglang" (sglang-router)
     policy: str
     cache_truth: str = "router"  # what fills OmniProxy's prefix index
+    load_feed: str = "auto"  # OmniProxy's --load-feed ("off": polls even where a feed is)
 
 
-def targets(ablations: bool, truths: tuple[str, ...] = ("router",), peer: str = "smg"
-            ) -> list[Target]:
-    """Ours (per cache truth), the ablations if asked, then the peer's policies (PD)."""
+def targets(ablations: bool, truths: tuple[str, ...] = ("router",), peer: str = "smg",
+            polled: bool = False) -> list[Target]:
+    """Ours (per cache truth; also polling loads as ``omni:POLICY+poll`` if ``polled``), the
+    ablations if asked, then the peer's policies (PD)."""
     out = [Target(f"omni:{p}" + ("" if truth == "router" else f"@{truth}"), "omni", p, truth)
            for p in OURS for truth in truths]
+    if polled:
+        out += [Target(f"omni:{p}+poll", "omni", p, load_feed="off") for p in OURS]
     if ablations:
         out += [Target(f"omni:{p}", "omni", p) for p in ABLATIONS]
     out += [Target(name, *name.split(":", 1)) for name in peer_targets(peer, pd=True)]
@@ -172,7 +176,7 @@ def run_target(target: Target, cluster: EmulatedCluster, workloads: list[dict[st
         slo = None if args.no_router_slo else args.slo_ttft * args.time_scale  # wall seconds
         command = omni_router_command(omni_router_args(
             cluster, target.policy, target.policy, access, target.cache_truth, slo,
-            poll_s=omni_poll_s(args.peer, args.poll_secs)), port)
+            poll_s=omni_poll_s(args.peer, args.poll_secs), load_feed=target.load_feed), port)
     else:  # the peer named by the target (smg or sglang-router)
         command = peer_router_command(peer_of(target.router) or args.peer, cluster,
                                       target.policy, port, args.poll_secs)
@@ -309,6 +313,10 @@ def main() -> int:
     p.add_argument("--cache-truth", choices=("router", "kv-events", "both"), default="router",
                    help="what fills OmniProxy's prefix index: its own routing (router), the "
                    "emulators' KV events (kv-events), or run our policies in both modes")
+    p.add_argument("--load-feed", choices=("off", "on", "both"), default="off",
+                   help="the emulators publish SGLang's load feed (--load-publish-endpoint), "
+                   "which OmniProxy then reads instead of polling (on); both: our policies also "
+                   "run polling beside it (omni:POLICY+poll). The peer polls either way")
     p.add_argument("--ablation-concurrency", type=int, default=None,
                    help="paper concurrency of the ablation runs (default: the sweep's third)")
     p.add_argument("--ablations-everywhere", action="store_true",
@@ -345,11 +353,12 @@ def main() -> int:
         sweep = args.concurrency if name == "4P1D" else args.small_concurrency
         workloads = build_workloads(args, sweep, args.open_qpm * n_p / 4 if args.open_qpm else None)
         cluster = EmulatedCluster(n_p, n_d, args.profile, args.time_scale, log_dir / name,
-                                  kv_events=args.cache_truth != "router")
+                                  kv_events=args.cache_truth != "router",
+                                  load_feed=args.load_feed != "off")
         try:  # targets interleaved per workload, so a change in the box's load hits them all
             for repeat, wl in ((rep, wl) for rep in range(args.repeats) for wl in workloads):
                 for target in targets(name == "4P1D" and not args.no_ablations, truths,
-                                      args.peer):
+                                      args.peer, polled=args.load_feed == "both"):
                     if args.only and target.name not in args.only.split(","):
                         continue
                     if (target.policy in ABLATIONS and not args.ablations_everywhere

@@ -6,6 +6,8 @@ target lists per peer. No process is started."""
 from __future__ import annotations
 
 import argparse
+import inspect
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -105,7 +107,19 @@ def test_omniproxy_polls_at_smgs_rate_and_as_before_beside_sglang_router() -> No
                                         poll_s=cluster.omni_poll_s(peer, 2))
         assert _flag(args, "--loads-poll-interval-secs") == expected
     # what sglang-router runs keep: omni_router_args' own default
-    assert cluster.omni_poll_s("sglang-router", 7) == cluster.omni_router_args.__defaults__[-1]
+    default = inspect.signature(cluster.omni_router_args).parameters["poll_s"].default
+    assert cluster.omni_poll_s("sglang-router", 7) == default
+
+
+def test_omniproxy_reads_the_load_feed_unless_told_to_poll() -> None:
+    assert _flag(cluster.omni_router_args(_pd(), "oas", "oas"), "--load-feed") == "auto"
+    assert _flag(cluster.omni_router_args(_pd(), "oas", "oas", load_feed="off"),
+                 "--load-feed") == "off"
+    args = cluster.kv_events_args(load_feed=True)
+    config = json.loads(args[args.index("--kv-events-config") + 1])
+    feed = args[args.index("--load-publish-endpoint") + 1]
+    assert feed.startswith("tcp://*:") and feed != config["endpoint"]
+    assert "--load-publish-endpoint" not in cluster.kv_events_args()
 
 
 def test_peer_flags() -> None:
