@@ -12,12 +12,14 @@ VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
 STAMP="$VENV/.omniinfer-setup-v1"
 SETUP_STAMP_KEY=$(cat "$ROOT/scripts/setup.sh" "$ROOT/scripts/setup_mooncake.sh" "$ROOT/python/pyproject.toml" \
-  "$ROOT/sgl-kernel-npu/pyproject.toml" | sha256sum | cut -c1-16)
+  "$ROOT/sgl-kernel-npu/pyproject.toml" "$ROOT/scripts/requirements.lock" | sha256sum | cut -c1-16)
 
 # pip, without the notices about local package folders this machine's pip config may name.
 pip_quiet() {
   "$PY" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
+# Installs that must not resolve or check dependencies: the lock below is the whole tree.
+PIP_EXACT=(pip_quiet install --no-deps --no-warn-conflicts)
 
 if [ ! -x "$PY" ]; then
   echo "[setup] creating $VENV"
@@ -25,28 +27,19 @@ if [ ! -x "$PY" ]; then
 fi
 
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$SETUP_STAMP_KEY" ]; then
-  PIP=(pip_quiet install)
-  CONSTRAINT=$(mktemp)
-  echo "torch==2.13.0" > "$CONSTRAINT"
   echo "[setup] CPU torch"
-  "${PIP[@]}" torch==2.13.0
-  echo "[setup] sglang 0.5.23 (no CUDA dependencies)"
-  "${PIP[@]}" --no-deps sglang==0.5.23
-  echo "[setup] runtime packages"
-  "${PIP[@]}" -c "$CONSTRAINT" \
-    numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec pydantic \
-    pyzmq tqdm IPython aiohttp einops transformers==5.19.0 dill sentencepiece==0.2.1 \
-    apache-tvm-ffi==0.1.11 compressed-tensors==0.18.0 gguf datasets uvicorn uvloop fastapi \
-    openai==2.8.0 partial-json-parser setproctitle jsonschema xgrammar==0.2.7 soundfile \
-    python-multipart accelerate tokenizers prometheus-client httpx matplotlib \
-    pytest pytest-timeout ruff sglang-router==0.3.2 smg==1.13.0 hypothesis
+  pip_quiet install --no-warn-conflicts torch==2.13.0
+  echo "[setup] sglang 0.5.23 without its own requirements (its CUDA packages have no use on a"
+  echo "        CPU; the packages it imports are in scripts/requirements.lock)"
+  "${PIP_EXACT[@]}" sglang==0.5.23
+  echo "[setup] runtime packages, exact versions (scripts/requirements.lock)"
+  "${PIP_EXACT[@]}" -r "$ROOT/scripts/requirements.lock"
   # PD disaggregation on this CPU: Mooncake's transfer engine over TCP (KV between servers).
   bash "$ROOT/scripts/setup_mooncake.sh" "$PY"
   echo "[setup] omniinfer (editable)"
-  "${PIP[@]}" -c "$CONSTRAINT" --no-deps -e "$ROOT/python"
+  "${PIP_EXACT[@]}" -e "$ROOT/python"
   echo "[setup] omni_kernel_npu, the OmniAttn Triton kernels (editable)"
-  "${PIP[@]}" -c "$CONSTRAINT" --no-deps -e "$ROOT/sgl-kernel-npu"
-  rm -f "$CONSTRAINT"
+  "${PIP_EXACT[@]}" -e "$ROOT/sgl-kernel-npu"
   echo "[setup] CPU start-up hook (active only with SGLANG_USE_CPU_ENGINE=1 and no CUDA/NPU)"
   "$PY" -m omniinfer.cpu.install
   echo "$SETUP_STAMP_KEY" > "$STAMP"

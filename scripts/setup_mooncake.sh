@@ -24,8 +24,8 @@ fi
 
 if ! "$PY" -c "import mooncake" >/dev/null 2>&1; then
   echo "[setup] mooncake transfer engine $MOONCAKE_VERSION (host-memory build)"
-  "$PY" -m pip --disable-pip-version-check -q install \
-    "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION" msgpack \
+  "$PY" -m pip --disable-pip-version-check -q install --no-deps --no-warn-conflicts \
+    "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION" \
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 fi
 
