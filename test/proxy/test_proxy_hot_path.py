@@ -13,8 +13,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from omniinfer.proxy.metrics import LATENCY_BUCKETS, AccessLog, FastCounter, FastHistogram
-from omniinfer.proxy.oas_cost import BatchTimeModel
-from omniinfer.proxy.policies._deferred import MemoModel
+from omniinfer.proxy.oas.cost import BatchTimeModel
+from omniinfer.proxy.oas.deferring import MemoModel
 from omniinfer.proxy.prefix import PrefixIndex
 from omniinfer.proxy.tokenization import ApproxTokenizer
 

@@ -8,14 +8,14 @@ import pytest
 
 from omniinfer.proxy.base import PolicyContext
 from omniinfer.proxy.config import RouterConfig
-from omniinfer.proxy.oas_cost import (
+from omniinfer.proxy.oas.cost import (
     MIN_SEED_TOKENS,
     BatchTimeModel,
     InstanceClock,
     TransferModel,
     predicted_ttft,
 )
-from omniinfer.proxy.policies.oas import OASJitOnly, OASPolicy
+from omniinfer.proxy.oas.policy import OASJitOnly, OASPolicy
 from omniinfer.proxy.prefix import PrefixIndex
 from omniinfer.proxy.workers import Role
 
@@ -139,8 +139,8 @@ def test_oas_policy_counts_an_instance_short_of_work_until_two_batches_are_out()
 
 
 def test_the_ttft_objective_reaches_the_queue_order() -> None:
-    from omniinfer.proxy.deferral import Waiting
-    from omniinfer.proxy.policies.oas import OASNoSLO
+    from omniinfer.proxy.oas.deferral import Waiting
+    from omniinfer.proxy.oas.policy import OASNoSLO
 
     config = RouterConfig(oas_ttft_slo_secs=1.0)
     lost, fresh_long = Waiting("lost", 100, 0.01, 0.0), Waiting("fresh", 5000, 0.5, 1.4)
@@ -154,7 +154,7 @@ def test_the_ttft_objective_reaches_the_queue_order() -> None:
 
 
 def test_a_variant_can_only_change_existing_switches() -> None:
-    from omniinfer.proxy.policies import oas
+    from omniinfer.proxy.oas import policy as oas
 
     with pytest.raises(TypeError, match="no switch deferr"):
         oas._variant("oas_typo", deferr=False)
@@ -169,7 +169,7 @@ def test_no_defer_sends_to_a_busy_instance_at_once_where_oas_holds() -> None:
     import asyncio
 
     from omniinfer.proxy.base import RouteRequest
-    from omniinfer.proxy.policies.oas import OASNoDefer
+    from omniinfer.proxy.oas.policy import OASNoDefer
     from omniinfer.proxy.workers import Worker
 
     async def second(cls: type[OASPolicy]) -> tuple[int, bool]:
@@ -188,8 +188,8 @@ def test_no_defer_sends_to_a_busy_instance_at_once_where_oas_holds() -> None:
 
 
 def test_goodput_and_moore_hodgson_variants_reach_the_queue() -> None:
-    from omniinfer.proxy.deferral import Waiting
-    from omniinfer.proxy.policies.oas import OASGoodput, OASMooreHodgson
+    from omniinfer.proxy.oas.deferral import Waiting
+    from omniinfer.proxy.oas.policy import OASGoodput, OASMooreHodgson
 
     def make(cls: type[OASPolicy], slo: float) -> OASPolicy:
         return cls(PolicyContext(RouterConfig(oas_ttft_slo_secs=slo), PrefixIndex(), Role.PREFILL))

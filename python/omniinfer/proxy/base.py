@@ -134,11 +134,16 @@ def register_policy(name: str) -> Callable[[P], P]:
     return wrap
 
 
+BUILTIN_POLICY_PACKAGES = ("omniinfer.proxy.policies", "omniinfer.proxy.oas")
+
+
 def _load_builtin_policies() -> None:
-    package = importlib.import_module("omniinfer.proxy.policies")
-    for info in pkgutil.iter_modules(package.__path__):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"{package.__name__}.{info.name}")
+    """Import every module of the built-in policy packages (each registers what it defines)."""
+    for name in BUILTIN_POLICY_PACKAGES:
+        package = importlib.import_module(name)
+        for info in pkgutil.iter_modules(package.__path__):
+            if not info.name.startswith("_"):
+                importlib.import_module(f"{package.__name__}.{info.name}")
 
 
 def available_policies() -> list[str]:

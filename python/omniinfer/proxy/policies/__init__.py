@@ -1,2 +1,3 @@
-"""Built-in routing policies, one module each; every module here is imported and registers itself
-with ``omniinfer.proxy.base.register_policy`` (so a new policy is one new file)."""
+"""Built-in stateless and cache-aware routing policies, one module each; every module here is
+imported and registers itself with ``omniinfer.proxy.base.register_policy`` (so a new policy is
+one new file). The deferring policies (OAS and the upstream rules) live in ``omniinfer.proxy.oas``."""

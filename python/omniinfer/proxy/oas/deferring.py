@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from omniinfer.proxy.base import Decision, Policy, PolicyContext, RouteRequest
-from omniinfer.proxy.deferral import DeferredQueue, Instance, Release, Waiting
-from omniinfer.proxy.oas_cost import BatchTimeModel, InstanceClock
+from omniinfer.proxy.oas.cost import BatchTimeModel, InstanceClock
+from omniinfer.proxy.oas.deferral import DeferredQueue, Instance, Release, Waiting
 from omniinfer.proxy.workers import Role, Worker
 
 

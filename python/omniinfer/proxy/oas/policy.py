@@ -1,43 +1,36 @@
 """``oas``: one cost model instead of thresholds, with deferred submission and resorting.
 
 Prefill: each request's best instance is the one with the lowest predicted TTFT = predicted
-queue time + batch time of its *uncached* tokens (the APC match) + KV transfer, from a batch time
-model each instance learns online from its own measured batches (``oas_cost``); exact ties are
-broken at random. Requests wait in the proxy, short-and-old first (with ``--oas-ttft-slo-secs``,
-those that can still meet the objective before those that no longer can), and go to their
-instance just before its next predicted batch boundary; none waits more than one predicted
-cycle plus a bound (``deferral``). The release is work-conserving: an instance is *short of work* — whatever the
-model predicts — while less than two batches of tokens sent to it are not back, or when its own
-/v1/loads report shows nothing waiting (one batch of credit); it is open, and a request whose
-best instance is busy goes to the best instance short of work instead of waiting. So a model
-that thinks an instance busy cannot leave it idle while requests wait here (with the prediction
-alone, prefill instances were busy 62-82 % of a c=128 run against 92 % when released at once,
-and most held requests left only when overdue: answers reach a loaded proxy late and the learned
-batch times grow with that delay).
+queue time + batch time of its *uncached* tokens (the prefix-cache match) + KV transfer, from the
+batch-time model each instance learns online from its own measured batches (``cost``); exact
+ties are broken at random. Requests wait in the router, short-and-old first (with
+``--oas-ttft-slo-secs``, those that can still meet the objective before those that no longer
+can), and go to their instance just before its next predicted batch boundary; none waits more
+than one predicted cycle plus a bound (``deferral``).
+
+The release is work-conserving: an instance is *short of work*, whatever the model predicts,
+while less than two batches of tokens sent to it are not back, or when its own load report shows
+nothing waiting (one batch of credit); it is then open, and a request whose best instance is
+busy goes to the best instance short of work instead of waiting. A model that thinks an
+instance busy therefore cannot leave it idle while requests wait here.
+
 Where prefixes are shared, a cache miss costs the cluster its recompute, not only the request's
 TTFT: the estimate adds the compute an instance needs beyond the request's best-cached one
 (``miss_weight``), and a request moves to an instance short of work only once it has waited as
-long as that extra compute (``patient_redirect``, the ski-rental rule); without both, the
-work-conserving release scattered prefix groups (8 regular workers, llm-d's prefix-groups shape
-at 1.5x the knee: 27 % of prompt tokens cached against 83 % with them, none within the SLO
-against all; ``oas_ttft_only`` is that ablation). In regular mode a streamed request's prefill
-ends at its first event, so the instance's clock closes it there, not when the answer ends.
-The model is seeded from the
-worker's busy-time counters only once they cover many batches (a torn early report once made
-one instance look 10-15× faster than its peers and drew most of a burst onto it). Decode: longest
-first to the least-loaded decode instance under its cap.
+long as that extra compute (``patient_redirect``, the ski-rental rule). In regular mode a
+streamed request's prefill ends at its first event, so the instance's clock closes it there.
+Decode: longest first to the least-loaded decode instance under its cap.
 
 The ablations are the same policy with one part switched off, registered beside it:
 ``oas_no_defer`` (released at once to the best instance), ``oas_no_resort`` (arrival order),
 ``oas_no_cache`` (the estimate ignores the cache), ``oas_no_lpt`` (decode in arrival order),
 ``oas_jit_only`` (the prediction alone opens an instance: no work conservation),
 ``oas_no_slo`` (ignores ``--oas-ttft-slo-secs``), ``oas_ttft_only`` (no miss weight, no
-patient redirect). Variants: ``oas_sjf`` orders by predicted
-compute alone (no aging; the hold bound protects long requests); ``oas_mh`` gives up, by the
-Moore–Hodgson rule, the longest requests that would make others miss the objective;
-``oas_goodput`` is ``oas_sjf`` with a hold bound of 32 cycles instead of 8 — for SLO goodput
-under overload at the cost of the tail (with 8 cycles, about one model second at the paper
-load, most requests reached the bound and shortest-first fell back to oldest-first).
+patient redirect). Variants: ``oas_sjf`` orders by predicted compute alone (no aging; the hold
+bound protects long requests); ``oas_mh`` gives up, by the Moore–Hodgson rule, the longest
+requests that would make others miss the objective; ``oas_goodput`` is ``oas_sjf`` with a hold
+bound of 32 cycles instead of 8 (SLO goodput under overload at the cost of the tail). What each
+part measured: docs/benchmarks.md, "OmniProxy OAS evaluation".
 """
 
 from __future__ import annotations
@@ -45,7 +38,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from omniinfer.proxy.base import RouteRequest, register_policy
-from omniinfer.proxy.deferral import (
+from omniinfer.proxy.oas.cost import InstanceClock, TransferModel, predicted_ttft
+from omniinfer.proxy.oas.deferral import (
     DeferralOptions,
     DeferredQueue,
     Instance,
@@ -54,8 +48,7 @@ from omniinfer.proxy.deferral import (
     slo_first,
     slo_sacrifice,
 )
-from omniinfer.proxy.oas_cost import InstanceClock, TransferModel, predicted_ttft
-from omniinfer.proxy.policies._deferred import DeferringPolicy
+from omniinfer.proxy.oas.deferring import DeferringPolicy
 from omniinfer.proxy.workers import Role, Worker
 
 

@@ -2,19 +2,17 @@
 
 An instance's prefill batch time is modelled as linear in a few features of the batch —
 ``base + per_request·n + per_token·tokens + attention·Σ tokens_j²`` — and fitted by recursive
-least squares with forgetting, starting from a prior (seeded from the worker's /v1/loads
-cumulative busy time per uncached token when one is reported). Batches are found the way the
-upstream proxy finds them, from response timing: prefill completions close together belong to
-one batch; a batch started when the previous one ended, or when its first request was sent if
-the instance was idle. The /v1/loads seed needs counters that cover many batches: the worker
-counts a request's tokens when it is admitted and its busy time when the pass ends, so one early
-report (the router's 3-token warm-up done, a 2.8K-token prompt admitted) read 3.8 µs per token
-against the 34-67 µs its peers measured, and that instance, predicted 10-15× too fast, was
-sent 49 of the first 81 requests, which then waited up to 9 s in its FCFS queue.
+least squares with forgetting, starting from a prior. The prior's per-token term may be seeded
+from the worker's cumulative busy time per uncached token (``/v1/loads`` or the load feed), but
+only before the first measured batch and only once those totals cover ``MIN_SEED_TOKENS``
+tokens: a report taken while a pass runs counts the pass's tokens before its time. Batches are
+found from response timing, as the upstream proxy finds them: prefill completions close
+together belong to one batch; a batch started when the previous one ended, or when its first
+request was sent if the instance was idle.
 
-The instance's own report (/v1/loads: nothing waiting) grants a *credit* of one batch of tokens
-that may be sent regardless of the predicted queue, so a wrong model cannot leave an instance
-without work while requests wait in the proxy (see ``deferral``).
+The instance's own report (nothing waiting) grants a *credit* of one batch of tokens that may be
+sent regardless of the predicted queue, so a wrong model cannot leave an instance without work
+while requests wait in the router (see ``deferral``).
 
 Predicted TTFT of a request on an instance = the time until the instance has worked off what is
 already sent to it (queue) + the batch time of the request's *uncached* tokens + the KV

@@ -18,9 +18,15 @@ import math
 from typing import Any, ClassVar
 
 from omniinfer.proxy.base import register_policy
-from omniinfer.proxy.deferral import DeferralOptions, DeferredQueue, Instance, Waiting, get_order
-from omniinfer.proxy.oas_cost import InstanceClock
-from omniinfer.proxy.policies._deferred import DeferringPolicy
+from omniinfer.proxy.oas.cost import InstanceClock
+from omniinfer.proxy.oas.deferral import (
+    DeferralOptions,
+    DeferredQueue,
+    Instance,
+    Waiting,
+    get_order,
+)
+from omniinfer.proxy.oas.deferring import DeferringPolicy
 
 MAX_BATCH_TOKENS = 32000  # upstream thresholds of an overloaded prefill instance
 MAX_RUNNING = 32
