@@ -72,15 +72,17 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> dict[str, set[str]]:
 def test_every_plugin_hook_target_resolves(recorded: dict[str, set[str]],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     import omniinfer.attn
-    from omniinfer.sglang_plugin import cpu_fixes, omni_attn, placement_hooks, server_args, worker
+    from omniinfer.sglang_plugin import cpu_fixes, server_args, worker
+    from omniinfer.sglang_plugin.omni_attn import plugin as omni_attn_plugin
+    from omniinfer.sglang_plugin.placement import plugin as placement_plugin
 
     pattern = str(Path(omniinfer.attn.__file__).parent / "patterns" / "smollm2-135m.json")
     server_args.register()
     worker.register()
     monkeypatch.setattr(cpu_fixes, "patch_torch", lambda: [])  # no torch fill-ins here
     cpu_fixes.register()
-    placement_hooks.register(OmniConfig(enable_omni_placement=True))
-    omni_attn.register(OmniConfig(omni_attn_pattern=pattern))
+    placement_plugin.register(OmniConfig(enable_omni_placement=True))
+    omni_attn_plugin.register(OmniConfig(omni_attn_pattern=pattern))
     dropped = sorted(set(EXPECTED) - set(recorded))
     extra = sorted(set(recorded) - set(EXPECTED))
     kinds = sorted(f"{t}: {sorted(recorded[t])} != {sorted(EXPECTED[t])}"

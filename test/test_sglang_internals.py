@@ -69,7 +69,7 @@ def test_scheduler_start_stops_on_a_missing_internal(monkeypatch: pytest.MonkeyP
 
 
 def test_accumulator_counts_are_found_by_name_or_position() -> None:
-    from omniinfer.sglang_plugin import placement_hooks
+    from omniinfer.sglang_plugin.placement import plugin as placement_plugin
 
     seen: list[Any] = []
 
@@ -77,15 +77,15 @@ def test_accumulator_counts_are_found_by_name_or_position() -> None:
         def on_counts(self, counts: Any) -> None:
             seen.append(counts)
 
-    placement_hooks._State.controller = Controller()
+    placement_plugin._State.controller = Controller()
     try:
         data = {"global_physical_count": "counts"}
-        placement_hooks._after_accumulator_append(None, "acc", 1, "key", data, {})
-        placement_hooks._after_accumulator_append(None, "acc", 1, "key",
+        placement_plugin._after_accumulator_append(None, "acc", 1, "key", data, {})
+        placement_plugin._after_accumulator_append(None, "acc", 1, "key",
                                                   single_pass_data=data, outputs={})
-        placement_hooks._after_accumulator_append(None, "acc", 1, "key", {"other": 0}, {})
+        placement_plugin._after_accumulator_append(None, "acc", 1, "key", {"other": 0}, {})
     finally:
-        placement_hooks._State.controller = None
+        placement_plugin._State.controller = None
     assert seen == ["counts", "counts"]
 
 
@@ -130,10 +130,10 @@ def _private_attributes(tree: ast.AST) -> set[str]:
 
 def _sglang_subclass_overrides() -> tuple[set[str], set[str]]:
     """(methods of our SGLang subclasses that SGLang's base defines, those it does not)."""
-    from omniinfer.sglang_plugin import omni_attn_radix, omni_attn_triton
+    from omniinfer.sglang_plugin.omni_attn import radix, triton_backend
 
     overrides, new = set(), set()
-    for cls in (omni_attn_radix.SinkSWAComponent, omni_attn_triton.backend_class()):
+    for cls in (radix.SinkSWAComponent, triton_backend.backend_class()):
         base = cls.__mro__[1]
         for name, value in vars(cls).items():
             if name.startswith("__") or not callable(value):

@@ -1,7 +1,7 @@
 """OmniPlacement's real staging code on a device: SlotStager, StagedWeights.switch_in, HostCopy.
 
 ``staging_check.py`` measures the stream mechanics with plain copies; this runs the code the
-placement runtime (``omniinfer.sglang_plugin.placement_runtime``) uses, imported from the
+placement runtime (``omniinfer.sglang_plugin.placement.runtime``) uses, imported from the
 checkout (``python/``): ``omniinfer.platform`` and ``omniinfer.placement.staging``, which must
 import without SGLang.
 

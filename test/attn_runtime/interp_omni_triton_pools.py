@@ -25,8 +25,8 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc, ReqToTokenPool  # noqa:
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
-from omniinfer.sglang_plugin import omni_attn_triton  # noqa: E402
-from omniinfer.sglang_plugin.omni_attn_backend import CompressedAttention  # noqa: E402
+from omniinfer.sglang_plugin.omni_attn import triton_backend  # noqa: E402
+from omniinfer.sglang_plugin.omni_attn.backend import CompressedAttention  # noqa: E402
 
 SINK, RECENT = 8, 24
 KV_HEADS, Q_HEADS, DIM = 2, 4, 16
@@ -97,13 +97,13 @@ class Pools:
 
 
 @pytest.fixture(scope="module")
-def attn() -> omni_attn_triton.SinkRecentLayers:
-    return omni_attn_triton.SinkRecentLayers([COMPRESSED], SINK, RECENT)
+def attn() -> triton_backend.SinkRecentLayers:
+    return triton_backend.SinkRecentLayers([COMPRESSED], SINK, RECENT)
 
 
 @pytest.mark.parametrize("page", [1, 16, 64])
 def test_decode_on_real_pools_equals_the_masked_evaluator(
-        page: int, attn: omni_attn_triton.SinkRecentLayers) -> None:
+        page: int, attn: triton_backend.SinkRecentLayers) -> None:
     lens = [20, 90, 170]  # under the window, past it, far past it
     pools = Pools(page, lens, seed=page)
     assert pools.evict_before([n - 1 for n in lens]) > 0
@@ -117,7 +117,7 @@ def test_decode_on_real_pools_equals_the_masked_evaluator(
 
 @pytest.mark.parametrize("page", [1, 16, 64])
 def test_extend_on_real_pools_equals_the_masked_evaluator(
-        page: int, attn: omni_attn_triton.SinkRecentLayers) -> None:
+        page: int, attn: triton_backend.SinkRecentLayers) -> None:
     lens, new = [60, 150, 40], [60, 37, 1]  # fresh prompt, chunk after a prefix, one token
     pools = Pools(page, lens, seed=page + 1)
     pools.evict_before([n - e for n, e in zip(lens, new, strict=True)])
@@ -139,8 +139,8 @@ def test_backend_writes_then_reads_compressed_layers_and_leaves_full_ones(
     """The registered backend class: a decode step writes the new token's K/V through SGLang's
     write path into the SWA sub-pool and reads sink + recent; a full layer goes to the parent."""
     pools = Pools(16, [70, 120], seed=5)
-    omni_attn_triton.set_pattern([COMPRESSED], SINK, RECENT)
-    cls = omni_attn_triton.backend_class()
+    triton_backend.set_pattern([COMPRESSED], SINK, RECENT)
+    cls = triton_backend.backend_class()
     backend = object.__new__(cls)  # no model runner: only what the forward path reads
     last = pools.lens - 1  # the last allocated position is this step's token
     out_loc = pools.req.req_to_token[pools.rows, last].to(torch.int64)
@@ -174,10 +174,10 @@ def test_registration_adds_the_choice_and_the_factory() -> None:
     from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
-    omni_attn_triton.register_backend(with_factory=True)
-    omni_attn_triton.register_backend(with_factory=True)  # idempotent
-    assert ATTENTION_BACKEND_CHOICES.count(omni_attn_triton.BACKEND_NAME) == 1
-    assert ATTENTION_BACKENDS[omni_attn_triton.BACKEND_NAME] is omni_attn_triton.create_backend
+    triton_backend.register_backend(with_factory=True)
+    triton_backend.register_backend(with_factory=True)  # idempotent
+    assert ATTENTION_BACKEND_CHOICES.count(triton_backend.BACKEND_NAME) == 1
+    assert ATTENTION_BACKENDS[triton_backend.BACKEND_NAME] is triton_backend.create_backend
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
-    assert issubclass(omni_attn_triton.backend_class(), TritonAttnBackend)
+    assert issubclass(triton_backend.backend_class(), TritonAttnBackend)

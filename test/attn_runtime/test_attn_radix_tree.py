@@ -37,7 +37,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType  # n
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
 
 from omniinfer.attn import radix_sink  # noqa: E402
-from omniinfer.sglang_plugin import omni_attn_radix  # noqa: E402
+from omniinfer.sglang_plugin.omni_attn import radix  # noqa: E402
 
 SINK, RECENT = 8, 16
 WINDOW = RECENT - 1
@@ -62,13 +62,13 @@ class Tree:
     """One tiny hybrid pool and a radix cache over it, played like the scheduler plays it."""
 
     def __init__(self, sink_rules: bool = True, full: int = 600, swa: int = 200) -> None:
-        omni_attn_radix.configure(SINK)
+        radix.configure(SINK)
         kv = SWAKVPool(size=full, size_swa=swa, page_size=1, dtype=torch.float32, head_num=1,
                        head_dim=4, v_head_dim=4, swa_attention_layer_ids=[0],
                        full_attention_layer_ids=[1], device="cpu", enable_memory_saver=False)
         self.alloc = SWATokenToKVPoolAllocator(full, swa, 1, torch.float32, "cpu", kv,
                                                need_sort=False)
-        override = {SWA: omni_attn_radix.SinkSWAComponent} if sink_rules else None
+        override = {SWA: radix.SinkSWAComponent} if sink_rules else None
         params = CacheInitParams(
             disable=False, page_size=1, sliding_window_size=WINDOW,
             req_to_token_pool=ReqToTokenPool(size=4, max_context_len=256, device="cpu",
@@ -130,7 +130,7 @@ class Tree:
         return full, swa
 
     def check_ledger(self) -> None:
-        book = omni_attn_radix.ledger(self.cache)
+        book = radix.ledger(self.cache)
         held_full, held_swa = self.held()
         full, comp = book["full"], book["compressed"]
         assert full["free"] + full["evictable"] + full["protected"] + held_full == full["capacity"]
@@ -155,8 +155,8 @@ def _play(tree: Tree, tokens: list[int], evicted: int) -> Running:
 def test_the_python_tree_core_runs_the_sink_component() -> None:
     tree = Tree()
     assert type(tree.cache.tree_core).__name__ == "UnifiedTreeCore"
-    assert isinstance(tree.cache.components[SWA], omni_attn_radix.SinkSWAComponent)
-    assert omni_attn_radix.describe(tree.cache)["sink_rules"] is True
+    assert isinstance(tree.cache.components[SWA], radix.SinkSWAComponent)
+    assert radix.describe(tree.cache)["sink_rules"] is True
 
 
 def test_insert_keeps_the_sink_live_and_owned() -> None:
@@ -168,7 +168,7 @@ def test_insert_keeps_the_sink_live_and_owned() -> None:
     assert tree.match(tokens)[0] == 60
     # Diverging at 30: the window above 30 is gone, the sink alone is reusable.
     assert tree.match(tokens[:30] + [1, 2, 3])[0] == SINK
-    assert omni_attn_radix.stats()["sink_nodes_stored"] >= 1
+    assert radix.stats()["sink_nodes_stored"] >= 1
 
 
 def test_a_duplicate_sink_is_freed_on_both_sides() -> None:
@@ -182,7 +182,7 @@ def test_a_duplicate_sink_is_freed_on_both_sides() -> None:
     tree.check_ledger()
     tree.finish(second)
     tree.check_ledger()
-    assert omni_attn_radix.stats()["duplicate_sink_slots_freed"] == SINK
+    assert radix.stats()["duplicate_sink_slots_freed"] == SINK
 
 
 def test_pressure_never_takes_a_running_requests_sink() -> None:
@@ -197,10 +197,10 @@ def test_pressure_never_takes_a_running_requests_sink() -> None:
     tree.cache.evict(EvictParams(num_tokens=0, swa_num_tokens=10_000))
     tree.check_ledger()
     tree.check_running_reads()
-    assert omni_attn_radix.stats()["sink_evictions_refused"] > 0
+    assert radix.stats()["sink_evictions_refused"] > 0
     tree.finish(req)
     tree.cache.evict(EvictParams(num_tokens=10_000, swa_num_tokens=10_000))
-    book = omni_attn_radix.ledger(tree.cache)
+    book = radix.ledger(tree.cache)
     assert book["full"]["free"] == book["full"]["capacity"]
     assert book["compressed"]["free"] == book["compressed"]["capacity"]
 
@@ -245,6 +245,6 @@ def test_stock_component_leaks_the_sink() -> None:
         tree.check_ledger()  # the sink's compressed slots belong to no node
     tree.finish(second)
     tree.cache.evict(EvictParams(num_tokens=10_000, swa_num_tokens=10_000))
-    book = omni_attn_radix.ledger(tree.cache)
+    book = radix.ledger(tree.cache)
     assert book["full"]["free"] == book["full"]["capacity"]
     assert book["compressed"]["free"] == book["compressed"]["capacity"] - 2 * SINK  # both sinks

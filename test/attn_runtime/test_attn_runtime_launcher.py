@@ -60,7 +60,7 @@ def test_the_pool_split_is_balanced_for_the_given_budget(
 
     from omniinfer.attn import runtime_window as rw
     from omniinfer.flags import OmniConfig
-    from omniinfer.sglang_plugin.omni_attn import prepare_namespace
+    from omniinfer.sglang_plugin.omni_attn.plugin import prepare_namespace
 
     model = tiny_models["llama"]
     layers = AutoConfig.from_pretrained(model).num_hidden_layers
@@ -93,10 +93,10 @@ def _plain_namespace(model: Path, **extra: object) -> object:
 def test_disable_radix_cache_keeps_prefix_reuse_off(tiny_models: dict[str, Path],
                                                    tmp_path: Path) -> None:
     from omniinfer.flags import OmniConfig
-    from omniinfer.sglang_plugin import omni_attn_radix
-    from omniinfer.sglang_plugin.omni_attn import RADIX_BACKEND, prepare_namespace
+    from omniinfer.sglang_plugin.omni_attn import radix
+    from omniinfer.sglang_plugin.omni_attn.plugin import RADIX_BACKEND, prepare_namespace
 
-    assert RADIX_BACKEND == omni_attn_radix.BACKEND_NAME
+    assert RADIX_BACKEND == radix.BACKEND_NAME
     model = tiny_models["llama"]
     config = OmniConfig(omni_attn_pattern=str(_pattern(model, tmp_path / "p.json", [0])))
     namespace = _plain_namespace(model, disable_radix_cache=True, radix_cache_backend=None)
@@ -119,7 +119,7 @@ def test_what_the_sink_aware_cache_cannot_serve_is_refused_in_one_line(
     tiny_models: dict[str, Path], tmp_path: Path, extra: dict[str, object], message: str
 ) -> None:
     from omniinfer.flags import OmniConfig, OmniFlagError
-    from omniinfer.sglang_plugin.omni_attn import prepare_namespace
+    from omniinfer.sglang_plugin.omni_attn.plugin import prepare_namespace
 
     model = tiny_models["llama"]
     config = OmniConfig(omni_attn_pattern=str(_pattern(model, tmp_path / "p.json", [0])))
@@ -131,7 +131,7 @@ def test_what_the_sink_aware_cache_cannot_serve_is_refused_in_one_line(
 def test_pd_at_page_size_one_is_prepared_like_a_plain_server(tiny_models: dict[str, Path],
                                                               tmp_path: Path) -> None:
     from omniinfer.flags import OmniConfig
-    from omniinfer.sglang_plugin.omni_attn import RADIX_BACKEND, prepare_namespace
+    from omniinfer.sglang_plugin.omni_attn.plugin import RADIX_BACKEND, prepare_namespace
 
     model = tiny_models["llama"]
     config = OmniConfig(omni_attn_pattern=str(_pattern(model, tmp_path / "p.json", [0])))

@@ -14,7 +14,7 @@ import pytest
 
 from omniinfer.attn.pattern import from_layers
 from omniinfer.flags import OmniConfig, OmniFlagError
-from omniinfer.sglang_plugin.omni_attn import prepare_namespace
+from omniinfer.sglang_plugin.omni_attn.plugin import prepare_namespace
 
 HERE = Path(__file__).resolve().parent
 
@@ -79,19 +79,19 @@ def test_missing_kernel_package_is_named_at_backend_creation(
     creating the ``omni_triton`` backend fails with the package and how to install it."""
     from types import SimpleNamespace
 
-    from omniinfer.sglang_plugin import omni_attn_triton
+    from omniinfer.sglang_plugin.omni_attn import triton_backend
 
-    omni_attn_triton.kernels.cache_clear()
+    triton_backend.kernels.cache_clear()
     for name in [m for m in sys.modules if m.startswith("omni_kernel_npu")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "omni_kernel_npu", None)  # import fails as if absent
     try:
-        layers = omni_attn_triton.SinkRecentLayers([0], 4, 8)  # no kernel import yet
+        layers = triton_backend.SinkRecentLayers([0], 4, 8)  # no kernel import yet
         runner = SimpleNamespace(model_config=SimpleNamespace(is_encoder_decoder=False))
-        with pytest.raises(omni_attn_triton.KernelsMissingError,
+        with pytest.raises(triton_backend.KernelsMissingError,
                            match="omni_kernel_npu.*pip install -e sgl-kernel-npu --no-deps"):
-            omni_attn_triton.create_backend(runner)
-        with pytest.raises(omni_attn_triton.KernelsMissingError):
+            triton_backend.create_backend(runner)
+        with pytest.raises(triton_backend.KernelsMissingError):
             _ = layers.decode_kernel
     finally:
-        omni_attn_triton.kernels.cache_clear()
+        triton_backend.kernels.cache_clear()

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from omniinfer.sglang_plugin.placement_runtime import routed_expert_weights
+from omniinfer.sglang_plugin.placement.runtime import routed_expert_weights
 
 
 class _Moe:

@@ -5,7 +5,7 @@ key that request's queries read is still in the cache: the sink ``[0, min(sink, 
 last ``recent - 1`` positions ``[P - recent + 1, P)`` (the query at ``P`` reads ``recent``
 keys counting itself, :mod:`omniinfer.attn.masks`). Positions in between may be gone.
 
-The SGLang component (``omniinfer.sglang_plugin.omni_attn_radix``) keeps the sink by three
+The SGLang component (``omniinfer.sglang_plugin.omni_attn.radix``) keeps the sink by three
 rules, each mirrored here so that it can be tested without SGLang:
 
 - insert: the sink part of a new node is stored live even when the request's window had

@@ -1,6 +1,6 @@
 """Serving-side arithmetic of OmniAttn: which KV positions a compressed layer keeps and frees.
 
-The SGLang glue (``omniinfer.sglang_plugin.omni_attn*``) does only tensor plumbing; every rule
+The SGLang glue (``omniinfer.sglang_plugin.omni_attn``) does only tensor plumbing; every rule
 about positions, windows, freed ranges and pool sizes lives here so that it can be tested
 without SGLang. Positions are 0-based token positions of one sequence.
 

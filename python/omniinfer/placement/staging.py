@@ -1,6 +1,6 @@
 """Staging expert weights beside the forward pass, and switching them in without a host sync.
 
-Used by :mod:`omniinfer.sglang_plugin.placement_runtime`; device specifics come from
+Used by :mod:`omniinfer.sglang_plugin.placement.runtime`; device specifics come from
 :mod:`omniinfer.platform` only:
 
 - :class:`SlotStager` copies the slots of a migration into new buffers on a dedicated stream

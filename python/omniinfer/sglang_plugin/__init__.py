@@ -2,8 +2,13 @@
 
 SGLang calls :func:`load` (entry point group ``sglang.srt.plugins``) early in every process it
 starts: the launcher, each scheduler, the detokenizer and the DP controller. Everything here
-talks to SGLang only through HookRegistry targets named in this package, so when SGLang moves,
-only this package moves.
+talks to SGLang only through HookRegistry targets named in this package (checked by
+:mod:`.hooks`) and the private names declared in :mod:`.internals`, so when SGLang moves, only
+this package moves.
+
+Layout: shared glue at the top (:mod:`.hooks`, :mod:`.internals`, :mod:`.server_args`,
+:mod:`.http_routes`, :mod:`.cpu_fixes`, :mod:`.worker`, :mod:`.ranks`), one sub-package per
+technique (:mod:`.omni_attn`, :mod:`.placement`).
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ def in_scheduler_process() -> bool:
 def load() -> None:
     """Register the omni hooks in the current SGLang process."""
     from omniinfer.cpu.detect import cpu_engine_active
-    from omniinfer.sglang_plugin import omni_attn_triton, server_args
+    from omniinfer.sglang_plugin import server_args
+    from omniinfer.sglang_plugin.omni_attn import triton_backend
 
     server_args.register()
     # --attention-backend omni_triton: a choice everywhere, a factory where models run.
-    omni_attn_triton.register_backend(with_factory=in_scheduler_process())
+    triton_backend.register_backend(with_factory=in_scheduler_process())
     if in_scheduler_process():
         from omniinfer.sglang_plugin import worker
 

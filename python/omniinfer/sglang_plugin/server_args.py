@@ -33,7 +33,7 @@ def _before_from_cli_args(*args: Any, **kwargs: Any) -> None:
         if config.enable_omni_placement:
             _prepare_placement(namespace, config)
         if config.omni_attn_pattern is not None:
-            from omniinfer.sglang_plugin.omni_attn import prepare_namespace
+            from omniinfer.sglang_plugin.omni_attn.plugin import prepare_namespace
 
             prepare_namespace(namespace, config)
         _cpu_defaults(namespace, config)

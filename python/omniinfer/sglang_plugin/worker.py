@@ -40,10 +40,10 @@ def register() -> None:
     hooks.register(SCHEDULER_INIT, _after_scheduler_init, HookType.AFTER, "omni config and hook check")
     config = current_config()
     if config.enable_omni_placement:
-        from omniinfer.sglang_plugin import placement_hooks
+        from omniinfer.sglang_plugin.placement import plugin as placement_plugin
 
-        placement_hooks.register(config)
+        placement_plugin.register(config)
     if config.omni_attn_pattern is not None:
-        from omniinfer.sglang_plugin import omni_attn
+        from omniinfer.sglang_plugin.omni_attn import plugin as omni_attn_plugin
 
-        omni_attn.register(config)
+        omni_attn_plugin.register(config)

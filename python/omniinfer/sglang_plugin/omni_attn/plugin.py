@@ -5,10 +5,10 @@ compressed layers are declared to SGLang as hybrid sliding-window layers through
 ``--json-model-override-args`` (``is_hybrid_swa``, ``hybrid_layer_pattern``, ``sliding_window``
 = recent - 1). SGLang then builds its two-pool KV cache: full layers in one sub-pool, compressed
 layers in the SWA sub-pool, with its own allocator and window eviction. Prefix reuse stays on,
-through ``--radix-cache-backend omni_attn`` (:mod:`omni_attn_radix`: SGLang's unified radix
+through ``--radix-cache-backend omni_attn`` (:mod:`.radix`: SGLang's unified radix
 cache whose SWA component keeps every cached prefix's sink), unless the user passed
 ``--disable-radix-cache``. Under PD disaggregation both servers take the pattern and the
-transfer carries each compressed layer's sink with its window (:mod:`omni_attn_pd`).
+transfer carries each compressed layer's sink with its window (:mod:`.pd`).
 
 Scheduler side (:func:`register`), all through HookRegistry:
 
@@ -19,11 +19,11 @@ Scheduler side (:func:`register`), all through HookRegistry:
 - the memory: with ``--max-total-tokens M`` the two sub-pools together get the bytes ``M``
   tokens take without a pattern (SGLang alone would give the full pool ``M`` tokens and add the
   SWA pool on top, which frees nothing);
-- attention: :mod:`omni_attn_backend` serves compressed layers on ``torch_native`` (CPU), and
-  :mod:`omni_attn_triton` is the ``omni_triton`` backend (SGLang's Triton backend for full
+- attention: :mod:`.backend` serves compressed layers on ``torch_native`` (CPU), and
+  :mod:`.triton_backend` is the ``omni_triton`` backend (SGLang's Triton backend for full
   layers, the sgl-kernel-npu sink + recent kernels for compressed ones; any page size);
-- prefix reuse: :mod:`omni_attn_radix` is registered as the radix-cache backend ``omni_attn``;
-- status: :mod:`omni_attn_status` writes ``attn.json`` for ``GET /omni/attn``.
+- prefix reuse: :mod:`.radix` is registered as the radix-cache backend ``omni_attn``;
+- status: :mod:`.status` writes ``attn.json`` for ``GET /omni/attn``.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
 EVICTION_INTERVAL_ENV = "SGLANG_SWA_EVICTION_INTERVAL"
 SCHEDULER_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
-RADIX_BACKEND = "omni_attn"  # omni_attn_radix.BACKEND_NAME, without importing SGLang here
+RADIX_BACKEND = "omni_attn"  # radix.BACKEND_NAME, without importing SGLang here
 # Options that swap the tree cache or its core for one without the sink rules.
 RADIX_CONFLICTS = (
     ("enable_hierarchical_cache", "--enable-hierarchical-cache"),
@@ -278,7 +278,7 @@ def _free_after_prefill(_result: Any, scheduler: Any, batch: Any, *_a: Any, **_k
     the overlap scheduler too: the batch launched meanwhile is a decode that reads the window.
     """
     if batch is not None and batch.forward_mode.is_prebuilt():
-        from omniinfer.sglang_plugin.omni_attn_pd import free_after_transfer
+        from omniinfer.sglang_plugin.omni_attn.pd import free_after_transfer
 
         free_after_transfer(scheduler, batch)  # decode under PD: the KV just arrived
         return
@@ -304,7 +304,7 @@ def _refresh_status(_result: Any, _batch: Any, *_a: Any, **_k: Any) -> None:
 
 
 def _after_scheduler_init(_result: Any, scheduler: Any, *_a: Any, **_k: Any) -> None:
-    from omniinfer.sglang_plugin.omni_attn_status import AttnStatus
+    from omniinfer.sglang_plugin.omni_attn.status import AttnStatus
     from omniinfer.sglang_plugin.ranks import tp_rank
 
     assert _State.pattern is not None
@@ -319,17 +319,18 @@ def register(config: OmniConfig) -> None:
     """Worker-side hooks; the launcher already validated the pattern against the model."""
     from sglang.srt.plugins.hook_registry import HookType
 
-    from omniinfer.sglang_plugin import hooks, omni_attn_pd, omni_attn_radix, omni_attn_triton
-    from omniinfer.sglang_plugin.omni_attn_backend import CompressedAttention, around_forward
+    from omniinfer.sglang_plugin import hooks
+    from omniinfer.sglang_plugin.omni_attn import pd, radix, triton_backend
+    from omniinfer.sglang_plugin.omni_attn.backend import CompressedAttention, around_forward
 
     assert config.omni_attn_pattern is not None
     pattern = load(Path(config.omni_attn_pattern))
     _State.pattern = pattern
     _State.attention = CompressedAttention(pattern.compressed_layers, pattern.sink, pattern.recent)
-    omni_attn_triton.set_pattern(pattern.compressed_layers, pattern.sink, pattern.recent)
-    omni_attn_radix.configure(pattern.sink)
-    omni_attn_pd.configure(pattern.sink, pattern.num_layers, len(pattern.compressed_layers))
-    omni_attn_radix.register_backend()  # selected by the launcher's --radix-cache-backend
+    triton_backend.set_pattern(pattern.compressed_layers, pattern.sink, pattern.recent)
+    radix.configure(pattern.sink)
+    pd.configure(pattern.sink, pattern.num_layers, len(pattern.compressed_layers))
+    radix.register_backend()  # selected by the launcher's --radix-cache-backend
     wanted: list[tuple[str, Callable[..., Any], HookType]] = [
         (f"{TORCH_NATIVE}.forward_extend", around_forward(_State.attention, False), HookType.AROUND),
         (f"{TORCH_NATIVE}.forward_decode", around_forward(_State.attention, True), HookType.AROUND),
@@ -346,8 +347,8 @@ def register(config: OmniConfig) -> None:
         (MAYBE_EVICT_SWA, _refresh_status, HookType.AFTER),
         (SCHEDULER_IDLE, _refresh_status, HookType.AFTER),
         (SCHEDULER_INIT, _after_scheduler_init, HookType.AFTER),
-        (omni_attn_pd.SEND_KV_CHUNK, omni_attn_pd.around_send_kv_chunk, HookType.AROUND),
-        (omni_attn_pd.SEND_KV_METADATA, omni_attn_pd.around_send_kv_metadata, HookType.AROUND),
+        (pd.SEND_KV_CHUNK, pd.around_send_kv_chunk, HookType.AROUND),
+        (pd.SEND_KV_METADATA, pd.around_send_kv_metadata, HookType.AROUND),
     ]
     for target, hook, kind in wanted:
         hooks.register(target, hook, kind, "OmniAttn sink + recent KV")

@@ -104,18 +104,18 @@ class AttnStatus:
 
     def _transfer(self) -> dict[str, Any] | None:
         """What a prefill server sent to decode servers (None unless it is one)."""
-        from omniinfer.sglang_plugin import omni_attn_pd
+        from omniinfer.sglang_plugin.omni_attn import pd
 
-        meter = omni_attn_pd.meter()
+        meter = pd.meter()
         return meter.describe() if meter.requests or meter.tokens else None
 
     def _radix(self) -> dict[str, Any] | None:
         """The prefix cache: which classes run, its ledger and what the sink rules did."""
         if self.tree_cache is None:
             return None
-        from omniinfer.sglang_plugin import omni_attn_radix
+        from omniinfer.sglang_plugin.omni_attn import radix
 
-        return omni_attn_radix.describe(self.tree_cache)
+        return radix.describe(self.tree_cache)
 
     def write(self) -> None:
         if not self.writer:

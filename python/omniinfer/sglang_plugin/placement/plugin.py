@@ -1,4 +1,4 @@
-"""HookRegistry wiring of OmniPlacement in scheduler processes (see placement_runtime)."""
+"""HookRegistry wiring of OmniPlacement in scheduler processes (see :mod:`.runtime`)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class _State:
 def _around_forward_pass_end(_original: Callable[..., Any], manager: Any) -> None:
     """Replaces SGLang's fixed-period rebalance with the OmniPlacement controller."""
     if _State.controller is None:
-        from omniinfer.sglang_plugin.placement_runtime import PlacementController
+        from omniinfer.sglang_plugin.placement.runtime import PlacementController
 
         assert _State.config is not None
         _State.controller = PlacementController(manager, _State.config)
