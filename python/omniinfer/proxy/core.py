@@ -1,9 +1,11 @@
 """Router state and its background work: workers, policies, prefix indexes, health, loads.
 
-The per-request flow is in ``forward.py`` (one ``Request``, ``request.py``) and its attempts in
-``attempt.py``, which alone books workers for a request and gives the bookings back; HTTP
-routes in ``server.py``. Everything runs on one asyncio loop; shared state is only touched from
-it.
+A worker's loads come from polling ``/v1/loads`` or, when it advertises one, from SGLang's load
+feed (``load_feed.py``); either way the policy of its role hears of them (``on_loads``). The
+per-request flow is in ``forward.py`` (one ``Request``, ``request.py``) and its attempts in
+``attempt.py``, which alone books workers for a request and gives the bookings back; the two
+modes are the strategies in ``regular.py`` and ``pd.py``; HTTP routes in ``server.py``.
+Everything runs on one asyncio loop; shared state is only touched from it.
 """
 
 from __future__ import annotations
