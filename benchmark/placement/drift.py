@@ -40,7 +40,7 @@ def run_drift(seeds: list[int], windows: int) -> dict:
         rows = []
         for seed in tqdm(seeds, desc=f"drift {model}"):
             cfg = DriftConfig(windows=windows, seed=seed)
-            dyn = DynamicConfig(expert_bytes=EXPERT_BYTES[model])
+            dyn = DynamicConfig()
             result = simulate(
                 domains, devices, redundant, cfg, dynamic=dyn, expert_bytes=EXPERT_BYTES[model]
             )

@@ -14,9 +14,10 @@ from omniinfer.placement.dynamic import (
     register_predictor,
     repair_layer,
 )
-from omniinfer.placement.migration import apply_migration, experts_moved
+from omniinfer.placement.migration import experts_moved
 from omniinfer.placement.simulate import DriftConfig, drift_workload, run_policy
 from omniinfer.placement.static import plan_static
+from omniinfer.placement.transfers import plan_slot_copies
 
 
 def test_registry_has_the_measured_predictors():
@@ -68,11 +69,14 @@ def test_planner_adopts_only_above_trigger_and_margin(olmoe):
     start = plan_static(olmoe["arxiv"], 16, 16)
     planner = DynamicPlanner(start, DynamicConfig(predictor="last", trigger=1.05, margin=0.01))
     quiet = planner.observe(olmoe["arxiv"])
-    assert quiet.migration is None and quiet.adopted_layers == []
+    assert quiet.experts_moved == 0 and quiet.adopted_layers == []
     moved = planner.observe(olmoe["github"])
-    assert moved.adopted_layers and moved.migration is not None
-    replay = apply_migration(start, moved.migration.steps)
-    assert np.array_equal(replay.slots, moved.placement.slots)
+    assert moved.adopted_layers and moved.experts_moved > 0
+    # the count is the copies a live migration makes from the old layout to the new one
+    copies = plan_slot_copies(start.slots.reshape(start.num_layers, -1),
+                              moved.placement.slots.reshape(start.num_layers, -1),
+                              start.slots.shape[1], range(start.num_layers))
+    assert moved.experts_moved == len(copies) == experts_moved(start.slots, moved.placement.slots)
     after = moved.placement.imbalance(olmoe["github"])
     assert (
         after[moved.adopted_layers] < start.imbalance(olmoe["github"])[moved.adopted_layers]

@@ -210,7 +210,6 @@ def run_simulate(args: argparse.Namespace) -> int:
             margin=args.margin,
             max_moves=args.max_moves,
             predictor=args.predictor,
-            expert_bytes=expert_bytes,
         )
         result = simulate(
             domains,

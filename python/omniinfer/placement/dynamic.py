@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from omniinfer.placement.base import Placement, PlacementError, Predictor, layer_imbalance
-from omniinfer.placement.migration import MigrationPlan, align_layer, experts_moved, plan_migration
+from omniinfer.placement.migration import align, align_layer, experts_moved
 from omniinfer.placement.static import plan_layer
 
 # ---------------------------------------------------------------------------- predictors
@@ -271,15 +271,19 @@ class DynamicConfig:
     max_moves: int = 8
     predictor: str = "ema-shift"
     predictor_args: dict = field(default_factory=dict)
-    expert_bytes: int = 0
 
 
 @dataclass
 class StepResult:
-    """What the controller decided after one window."""
+    """What the controller decided after one window.
+
+    ``placement`` is the layout for the next window, aligned slot by slot to the previous one so
+    that the fewest slots change; ``experts_moved`` counts the slots that receive another
+    expert's weights: exactly the copies a live migration makes (0 when nothing was adopted).
+    """
 
     placement: Placement
-    migration: MigrationPlan | None
+    experts_moved: int
     predicted_b: np.ndarray
     adopted_layers: list[int]
 
@@ -307,10 +311,10 @@ class DynamicPlanner:
                 new.slots[layer] = choice
                 adopted.append(layer)
         if not adopted:
-            return StepResult(old, None, before, [])
-        migration = plan_migration(old, new, cfg.expert_bytes)
-        self.placement = migration.target
-        return StepResult(self.placement, migration, before, adopted)
+            return StepResult(old, 0, before, [])
+        self.placement = align(old, new)
+        moved = experts_moved(old.slots, self.placement.slots)
+        return StepResult(self.placement, moved, before, adopted)
 
     def _plan_layer(
         self, current: np.ndarray, predicted: np.ndarray, b_now: float

@@ -150,9 +150,9 @@ class Omni(Policy):
 
     def observe(self, counts: np.ndarray) -> None:
         step = self.planner.observe(counts)
-        if step.migration is not None:
-            self.moved += step.migration.experts_moved
-            self.moved_aligned += step.migration.experts_moved
+        if step.adopted_layers:
+            self.moved += step.experts_moved
+            self.moved_aligned += step.experts_moved
             self.rebalances += 1
         self.placement = step.placement
 
