@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import msgspec
 
-from omniinfer.kv_events import KvEventsConfig, ProtocolError, split_tcp
+from omniinfer.kv_events import WILDCARD_HOSTS, KvEventsConfig, ProtocolError, split_tcp
 
 LOAD_TOPIC = "load"
 HEARTBEAT_S = 1.0  # an unchanged reading is sent again after this long
@@ -95,7 +95,7 @@ def resolve_load_endpoint(value: str | None, kv_events: KvEventsConfig | None,
     kv_host, kv_base = split_tcp(kv_events.endpoint)
     replay = split_tcp(kv_events.replay_endpoint)[1] if kv_events.replay_endpoint else None
     if mode.lower() == "auto":
-        if kv_host not in ("*", "0.0.0.0", "::", "[::]"):
+        if kv_host not in WILDCARD_HOSTS:
             raise ValueError("--load-publish-endpoint auto needs a wildcard-host "
                              f"--kv-events-config endpoint, got {kv_events.endpoint!r}")
         host, base = kv_host, kv_base + dp_size
@@ -103,7 +103,7 @@ def resolve_load_endpoint(value: str | None, kv_events: KvEventsConfig | None,
             base = replay + dp_size
     else:
         host, base = split_tcp(mode)
-        if host not in ("*", "0.0.0.0", "::", "[::]"):
+        if host not in WILDCARD_HOSTS:
             raise ValueError(f"--load-publish-endpoint {mode!r}: the host must be a wildcard "
                              "(*, 0.0.0.0 or ::): the feed is bound, not connected")
         for port in (kv_base, replay):

@@ -44,6 +44,7 @@ from omniinfer.kv_events import (
 from omniinfer.net import is_loopback
 from omniinfer.proxy.cache_truth import SequenceCheck, WorkerCacheTruth
 from omniinfer.proxy.prefix import PrefixIndex
+from omniinfer.proxy.subscriptions import WorkerSubscriptions
 from omniinfer.proxy.workers import Role, Worker
 
 log = logging.getLogger("omniinfer.proxy")
@@ -322,9 +323,7 @@ class CacheTruth:
         self.explicit = explicit or {}
         self.max_ranks = max_ranks
         self.max_pages = max_pages
-        self._subs: dict[str, WorkerSubscription] = {}
-        self._fallback: dict[str, str] = {}
-        self._ctx: zmq.asyncio.Context | None = None
+        self.subs: WorkerSubscriptions[WorkerSubscription] = WorkerSubscriptions(mode)
 
     @property
     def enabled(self) -> bool:
@@ -332,14 +331,14 @@ class CacheTruth:
 
     def follows(self, worker: Worker) -> bool:
         """True if events, not routing, fill this worker's index."""
-        return worker.url in self._subs
+        return worker.url in self.subs
 
     def label(self, worker: Worker) -> str:
-        return "kv-events" if worker.url in self._subs else "router"
+        return "kv-events" if worker.url in self.subs else "router"
 
     async def attach(self, worker: Worker) -> None:
         """Subscribe to ``worker``'s events (kv-events mode); else keep the router's index."""
-        if not self.enabled or worker.url in self._subs:
+        if not self.enabled or worker.url in self.subs:
             return
         try:
             if worker.url in self.explicit:
@@ -348,60 +347,46 @@ class CacheTruth:
             else:
                 info = await self.fetch_json(worker, "/server_info", 10.0)
                 sources, page_size = sources_from_server_info(info, worker.host, self.max_ranks)
-            if worker.url in self._subs:  # attached meanwhile
+            if worker.url in self.subs:  # attached meanwhile
                 return
         except Exception as exc:  # noqa: BLE001 - a bad publisher never stops the router
             if not isinstance(exc, NoEvents):
                 exc = NoEvents(f"unusable /server_info: {exc.__class__.__name__}: {exc}")
-            if self._fallback.get(worker.url) != str(exc):
-                log.warning("cache truth: %s: %s; using the router's own index for it",
-                            worker.url, exc)
-            self._fallback[worker.url] = str(exc)
+            self.subs.refuse(worker.url, str(exc),
+                             "cache truth: %s: %s; using the router's own index for it")
             return
-        if self._ctx is None:
-            self._ctx = zmq.asyncio.Context()
-        self._fallback.pop(worker.url, None)
         index = self.indexes[worker.role]
         index.clear(worker.url)  # from now on only the worker's events fill it
         truth = WorkerCacheTruth(worker.url, index, self.block_size, len(sources),
                                  self.max_pages)
-        self._subs[worker.url] = WorkerSubscription(worker, truth, sources, page_size, self._ctx)
+        self.subs.add(worker.url, WorkerSubscription(worker, truth, sources, page_size,
+                                                     self.subs.context()))
         log.info("cache truth: %s follows KV events from %s (worker page %s, router block %d)",
                  worker.url, ", ".join(s.endpoint for s in sources), page_size or "?",
                  self.block_size)
 
     def detach(self, worker: Worker) -> None:
         """Stop following ``worker`` now: its tasks apply nothing more (they close on their own)."""
-        self._fallback.pop(worker.url, None)
-        sub = self._subs.pop(worker.url, None)
-        if sub is not None:
-            sub.cancel()
+        self.subs.detach(worker.url)
 
     def expect(self, worker: Worker, hashes: Sequence[int]) -> None:
         """A prompt was sent to ``worker``: its blocks count as held there until the worker's
         events report them or a deadline passes (events come only once the prefill is done)."""
-        sub = self._subs.get(worker.url)
+        sub = self.subs.get(worker.url)
         if sub is not None:
             sub.truth.expect(hashes, time.monotonic())
 
     def forget(self, worker: Worker) -> None:
         """The worker's cache may be gone (re-admitted, flushed): drop what its events said."""
-        sub = self._subs.get(worker.url)
+        sub = self.subs.get(worker.url)
         if sub is not None:
             sub.truth.reset()
 
     async def close(self) -> None:
-        for url in list(self._subs):
-            await self._subs.pop(url).close()
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)
-            self._ctx = None
+        await self.subs.close()
 
     def describe(self) -> dict[str, Any]:
-        workers: dict[str, Any] = {url: sub.describe() for url, sub in self._subs.items()}
-        for url, reason in self._fallback.items():
-            workers[url] = {"cache_truth": "router", "reason": reason}
-        return {"mode": self.mode, "workers": workers}
+        return self.subs.describe_workers("cache_truth", "router")
 
 
 def parse_endpoint_overrides(entries: list[str]) -> dict[str, list[str]]:

@@ -35,6 +35,7 @@ import zmq.asyncio
 from omniinfer.kv_events import ProtocolError, seq_from
 from omniinfer.load_feed import STALE_AFTER_S, LoadStat, decode_load
 from omniinfer.proxy.kv_subscriber import NoEvents, dial_rank
+from omniinfer.proxy.subscriptions import WorkerSubscriptions
 from omniinfer.proxy.workers import Worker, WorkerLoads
 
 log = logging.getLogger("omniinfer.proxy")
@@ -185,51 +186,36 @@ class LoadFeeds:
         self.fetch_json = fetch_json
         self.on_loads = on_loads
         self.max_ranks = max_ranks
-        self._feeds: dict[str, WorkerFeed] = {}
-        self._polled: dict[str, str] = {}  # url -> why it is polled
-        self._ctx: zmq.asyncio.Context | None = None
+        self.feeds: WorkerSubscriptions[WorkerFeed] = WorkerSubscriptions(mode)
 
     def live(self, worker: Worker) -> bool:
         """True while the worker's feed is fresh: polling it would only repeat what it said."""
-        feed = self._feeds.get(worker.url)
+        feed = self.feeds.get(worker.url)
         return feed is not None and feed.live(time.monotonic())
 
     async def attach(self, worker: Worker) -> None:
         """Subscribe to ``worker``'s feed if it advertises one (mode auto); else keep polling."""
-        if self.mode == "off" or worker.url in self._feeds:
+        if self.mode == "off" or worker.url in self.feeds:
             return
         try:
             info = await self.fetch_json(worker, "/server_info", 10.0)
             endpoints, topic = feed_endpoints(info, worker.host, self.max_ranks)
         except Exception as exc:  # noqa: BLE001 - a bad answer never stops the router
             reason = str(exc) if isinstance(exc, NoFeed) else f"unusable /server_info: {exc}"
-            if self._polled.get(worker.url) != reason:
-                log.info("load feed: %s: %s; polling /v1/loads", worker.url, reason)
-            self._polled[worker.url] = reason
+            self.feeds.refuse(worker.url, reason, "load feed: %s: %s; polling /v1/loads",
+                              logging.INFO)
             return
-        if worker.url in self._feeds:  # attached meanwhile
+        if worker.url in self.feeds:  # attached meanwhile
             return
-        if self._ctx is None:
-            self._ctx = zmq.asyncio.Context()
-        self._polled.pop(worker.url, None)
-        self._feeds[worker.url] = WorkerFeed(worker, endpoints, topic, self._ctx, self.on_loads)
+        self.feeds.add(worker.url, WorkerFeed(worker, endpoints, topic, self.feeds.context(),
+                                              self.on_loads))
         log.info("load feed: %s publishes its load on %s", worker.url, ", ".join(endpoints))
 
     def detach(self, worker: Worker) -> None:
-        self._polled.pop(worker.url, None)
-        feed = self._feeds.pop(worker.url, None)
-        if feed is not None:
-            feed.cancel()
+        self.feeds.detach(worker.url)
 
     async def close(self) -> None:
-        for url in list(self._feeds):
-            await self._feeds.pop(url).close()
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)
-            self._ctx = None
+        await self.feeds.close()
 
     def describe(self) -> dict[str, Any]:
-        workers: dict[str, Any] = {url: f.describe() for url, f in self._feeds.items()}
-        for url, reason in self._polled.items():
-            workers[url] = {"load_source": "poll", "reason": reason}
-        return {"mode": self.mode, "workers": workers}
+        return self.feeds.describe_workers("load_source", "poll")
