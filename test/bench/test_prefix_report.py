@@ -50,6 +50,9 @@ def test_criteria_at_the_knee_and_one_and_a_half_times_it() -> None:
     assert above["vs_best"] == pytest.approx(1.5) and above["p90_lower_by"] == pytest.approx(6.0)
     text = prefix_report.criteria_text(crit)
     assert "| 6.0 | P90 TTFT: sglang:cache_aware / ours | >= 3x | 6.00x" in text
+    # at the knee the best peer policy is to be beaten 1.2x, at 1.5x the knee 1.5x
+    assert "| 4.0 | goodput / best sglang-router (sglang:cache_aware) | >= 1.2x | 1.25x" in text
+    assert "| 6.0 | goodput / best sglang-router (sglang:cache_aware) | >= 1.5x | 1.50x" in text
     assert text.count("| yes |") == 5
 
 
