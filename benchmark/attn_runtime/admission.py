@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=14)
     p.add_argument("--chunked-prefill-size", type=int, default=512,
                    help="both servers; bounds the compressed pool's prefill transient to a chunk")
+    p.add_argument("--server-args", default="",
+                   help="more flags for both servers, one string (as --server-args=--disable-radix-cache)")
     p.add_argument("--out", type=Path, default=HERE / "results" / "admission.json")
     return p.parse_args(argv)
 
@@ -63,8 +65,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prompts = [ids[i * prompt_len : (i + 1) * prompt_len] for i in range(args.requests)]
     work = Path(tempfile.mkdtemp(prefix="attn-admission-"))
     pattern = load(args.pattern)
-    baseline = run_server(args, prompts, [], work / "baseline.log")
-    omni = run_server(args, prompts, ["--omni-attn-pattern", str(args.pattern)],
+    both = args.server_args.split()
+    baseline = run_server(args, prompts, both, work / "baseline.log")
+    omni = run_server(args, prompts, [*both, "--omni-attn-pattern", str(args.pattern)],
                       work / "omni.log")
     summary = {
         "model": str(args.model.name),
@@ -73,6 +76,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "requests": args.requests,
         "new_tokens": args.new_tokens,
         "chunked_prefill_size": args.chunked_prefill_size,
+        "server_args": both,
         "pattern": {"sink": pattern.sink, "recent": pattern.recent,
                     "compressed_layers": list(pattern.compressed_layers),
                     "kv_saved_fraction": pattern.kv_saved_fraction(args.context)},
