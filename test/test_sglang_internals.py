@@ -133,7 +133,8 @@ def _sglang_subclass_overrides() -> tuple[set[str], set[str]]:
     from omniinfer.sglang_plugin.omni_attn import radix, triton_backend
 
     overrides, new = set(), set()
-    for cls in (radix.SinkSWAComponent, triton_backend.backend_class()):
+    for cls in (radix.SinkSWAComponent, radix.SinkFullComponent,
+                triton_backend.backend_class()):
         base = cls.__mro__[1]
         for name, value in vars(cls).items():
             if name.startswith("__") or not callable(value):

@@ -68,7 +68,7 @@ class Tree:
                        full_attention_layer_ids=[1], device="cpu", enable_memory_saver=False)
         self.alloc = SWATokenToKVPoolAllocator(full, swa, 1, torch.float32, "cpu", kv,
                                                need_sort=False)
-        override = {SWA: radix.SinkSWAComponent} if sink_rules else None
+        override = radix.component_overrides() if sink_rules else None
         params = CacheInitParams(
             disable=False, page_size=1, sliding_window_size=WINDOW,
             req_to_token_pool=ReqToTokenPool(size=4, max_context_len=256, device="cpu",
@@ -197,7 +197,8 @@ def test_pressure_never_takes_a_running_requests_sink() -> None:
     tree.cache.evict(EvictParams(num_tokens=0, swa_num_tokens=10_000))
     tree.check_ledger()
     tree.check_running_reads()
-    assert radix.stats()["sink_evictions_refused"] > 0
+    assert radix.stats()["sink_pins"] > 0  # the request's full lock pinned its sink
+    assert radix.stats()["sink_splits"] + radix.stats()["sink_subtree_leaves"] > 0
     tree.finish(req)
     tree.cache.evict(EvictParams(num_tokens=10_000, swa_num_tokens=10_000))
     book = radix.ledger(tree.cache)
@@ -248,3 +249,136 @@ def test_stock_component_leaks_the_sink() -> None:
     book = radix.ledger(tree.cache)
     assert book["full"]["free"] == book["full"]["capacity"]
     assert book["compressed"]["free"] == book["compressed"]["capacity"] - 2 * SINK  # both sinks
+
+
+def _evict_all_compressed(tree: Tree) -> None:
+    """Admission's promise: what the ledger calls evictable, an eviction frees."""
+    book = radix.ledger(tree.cache)["compressed"]
+    promised = book["free"] + book["evictable"]
+    tree.cache.evict(EvictParams(num_tokens=0, swa_num_tokens=book["evictable"]))
+    after = radix.ledger(tree.cache)["compressed"]
+    assert after["free"] >= promised, (book, after)
+
+
+def test_a_running_requests_sink_is_not_counted_evictable() -> None:
+    tree = Tree()
+    prompt = list(range(1000, 1050))
+    _play(tree, prompt, evicted=30)
+    req = tree.start(prompt + [7, 8, 9])  # locks the cached path, sink node included
+    assert req is not None and req.prefix == len(prompt)
+    tree.slide(req, 40)
+    _evict_all_compressed(tree)
+    tree.check_ledger()
+    tree.check_running_reads()
+    tree.finish(req)
+    _evict_all_compressed(tree)
+    assert radix.ledger(tree.cache)["compressed"]["evictable"] == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_random_traffic_evictable_is_what_eviction_frees(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    tree = Tree()
+    prompts = [[10_000 * (p + 1) + t for t in range(rng.randint(20, 50))] for p in range(3)]
+    for _ in range(100):
+        if rng.random() < 0.5 and len(tree.running) < 3:
+            tree.start(rng.choice(prompts) + [rng.randint(0, 50) for _ in range(rng.randint(3, 30))])
+        elif tree.running:
+            req = rng.choice(tree.running)
+            tree.slide(req, rng.randint(0, max(0, len(req.tokens) - WINDOW)))
+            if rng.random() < 0.6:
+                tree.finish(req)
+        if rng.random() < 0.3:
+            _evict_all_compressed(tree)
+        tree.check_ledger()
+        tree.check_running_reads()
+
+
+def test_only_the_sink_of_a_long_cached_node_is_pinned() -> None:
+    """A cached prompt stored whole: a request on it protects its sink and its window, not
+    the compressed KV between them, which stays evictable as outside any window."""
+    tree = Tree()
+    prompt = list(range(3000, 3080))
+    _play(tree, prompt, evicted=0)
+    req = tree.start(prompt + [5, 6])
+    assert req is not None and req.prefix == len(prompt)
+    book = radix.ledger(tree.cache)["compressed"]
+    assert book["protected"] <= SINK + 2 * RECENT, book
+    _evict_all_compressed(tree)
+    tree.check_ledger()
+    tree.check_running_reads()
+    assert tree.match(prompt[:SINK] + [9])[0] == SINK  # the sink is still there to reuse
+
+
+def _checkpoint(tree: Tree, req: Running, upto: int) -> None:
+    """A chunk boundary: the scheduler inserts what the request computed so far, adopts the
+    tree's slots for it, and moves its lock to the new node."""
+    params = InsertParams(key=_key(req.tokens[:upto]), value=req.row[:upto].clone(),
+                          prev_prefix_len=req.prefix)
+    params.set_evicted_seqlen(SWA, req.evicted)
+    node = tree.cache.insert(params).last_device_node
+    slots = tree.cache.path_device_indices(node)
+    assert len(slots) == upto, (len(slots), upto)
+    req.row[req.prefix:upto] = slots[req.prefix:upto]
+    tree.cache.unlock(req.lock)
+    req.lock = tree.cache.lock(node)
+    req.prefix = upto
+
+
+def _retract(tree: Tree, req: Running) -> None:
+    """SGLang's retraction: the request's own slots back (compressed ones where alive), the
+    lock released, nothing inserted."""
+    own = req.row[req.prefix:]
+    dead_hi = max(req.evicted, req.prefix)
+    lo = max(req.prefix, SINK)
+    alive = [p for p in range(req.prefix, len(req.tokens)) if not (lo <= p < dead_hi)]
+    dead = [p for p in range(req.prefix, len(req.tokens)) if lo <= p < dead_hi]
+    if dead:
+        tree.alloc.free_full_segments([(req.row[dead], dead[0])])
+    if alive:
+        tree.alloc.free(req.row[alive])
+    del own
+    tree.cache.unlock(req.lock)
+    tree.running.remove(req)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chunked_requests_and_retraction_keep_every_read_alive(seed: int) -> None:
+    rng = random.Random(200 + seed)
+    tree = Tree()
+    prompts = [[10_000 * (p + 1) + t for t in range(rng.randint(20, 60))] for p in range(3)]
+    for _ in range(150):
+        op = rng.random()
+        if op < 0.35 and len(tree.running) < 3:
+            tree.start(rng.choice(prompts) + [rng.randint(0, 50) for _ in range(rng.randint(3, 40))])
+        elif op < 0.75 and tree.running:
+            req = rng.choice(tree.running)
+            upto = rng.randint(req.prefix, len(req.tokens))
+            tree.slide(req, max(0, upto - WINDOW))
+            if upto > req.prefix and rng.random() < 0.7:
+                _checkpoint(tree, req, upto)
+            elif rng.random() < 0.5:
+                tree.finish(req)
+        elif op < 0.85 and tree.running:
+            _retract(tree, rng.choice(tree.running))
+        else:
+            _evict_all_compressed(tree)
+        tree.check_ledger()
+        tree.check_running_reads()
+
+
+def test_a_short_last_chunk_locks_one_window_not_two() -> None:
+    """Chunks of 40 then 6 tokens: the lock after the short one covers the window (and the
+    sink), not all of the 40-token node before it."""
+    tree = Tree()
+    tokens = list(range(4000, 4046))
+    req = tree.start(tokens)
+    assert req is not None
+    _checkpoint(tree, req, 40)
+    tree.slide(req, 46 - WINDOW)
+    _checkpoint(tree, req, 46)
+    book = radix.ledger(tree.cache)["compressed"]
+    assert book["protected"] <= SINK + WINDOW + 1, book
+    assert radix.stats()["window_splits"] > 0
+    tree.check_ledger()
+    tree.check_running_reads()

@@ -83,6 +83,7 @@ _GROUP_COORDINATOR = "sglang.srt.distributed.parallel_state.GroupCoordinator"
 _SWA_COMPONENT = "sglang.srt.mem_cache.unified_cache.components.swa.SWAComponent"
 _TREE_CORE = "sglang.srt.mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore"
 _TREE_COMPONENT = "sglang.srt.mem_cache.unified_cache.components.base.TreeComponent"
+_FULL_COMPONENT = "sglang.srt.mem_cache.unified_cache.components.full.FullComponent"
 _TRITON_BACKEND = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend"
 _CONFIGURATORS = (
     "sglang.srt.model_executor.pool_configurator.HybridSWAPoolConfigurator",
@@ -149,6 +150,7 @@ TRITON_SET_KV_BUFFER = Internal(
 _WHY_OVERRIDE = "SinkSWAComponent overrides it (a rename would bypass the sink rules)"
 _WHY_CALLED = "SinkSWAComponent calls it"
 _WHY_CORE = "SinkSWAComponent splits nodes / walks the tree core"
+_WHY_PIN = "SinkFullComponent overrides it (a full lock pins the path's sink nodes)"
 SWA_FREE_OUT_OF_WINDOW = Internal(
     _SWA_COMPONENT, "_free_out_of_window_slots",
     "hooked (sink floor) and overridden by SinkSWAComponent", OMNI_ATTN, params=("req", "pre_len"))
@@ -166,6 +168,19 @@ RADIX_INTERNALS: tuple[Internal, ...] = (
     Internal(_SWA_COMPONENT, "release_window_lock", _WHY_OVERRIDE, OMNI_ATTN,
              params=("node", "swa_uuid_for_lock", "device_frees", "host_frees",
                      "cache_actions")),
+    Internal(_SWA_COMPONENT, "_evict_device_start", _WHY_OVERRIDE, OMNI_ATTN,
+             params=("request_cnt",)),
+    Internal(_SWA_COMPONENT, "acquire_component_lock", _WHY_OVERRIDE, OMNI_ATTN,
+             params=("node", "result", "lock_host")),
+    Internal(_SWA_COMPONENT, "sliding_window_size", "SinkSWAComponent: where the lock ends",
+             OMNI_ATTN, _I),
+    Internal(_SWA_COMPONENT, "redistribute_on_node_split", _WHY_OVERRIDE, OMNI_ATTN,
+             params=("new_parent", "child")),
+    Internal(_FULL_COMPONENT, "acquire_component_lock", _WHY_PIN, OMNI_ATTN,
+             params=("node", "result", "lock_host")),
+    Internal(_FULL_COMPONENT, "release_component_lock", _WHY_PIN, OMNI_ATTN,
+             params=("node", "params", "lock_host")),
+    Internal(_TREE_COMPONENT, "reclaimable_value_len", _WHY_CALLED, OMNI_ATTN, params=("node",)),
     Internal(_SWA_COMPONENT, "_segments", _WHY_CALLED, OMNI_ATTN, params=("node", "start", "end")),
     Internal(_SWA_COMPONENT, "_publish_window", _WHY_CALLED, OMNI_ATTN,
              params=("node", "cache_actions")),
@@ -180,7 +195,7 @@ RADIX_INTERNALS: tuple[Internal, ...] = (
     Internal(_TREE_CORE, "_evict_component_and_detach_lru", _WHY_CORE, OMNI_ATTN,
              params=("node", "comp", "device_frees", "host_frees", "cache_actions", "target")),
     *(Internal(_TREE_CORE, f, _WHY_CORE, OMNI_ATTN, _I)
-      for f in ("root_node", "lru_lists", "evictable_device_leaves",
+      for f in ("root_node", "lru_lists", "evictable_device_leaves", "components_by_type",
                 "component_protected_size_", "component_evictable_size_")),
 )
 

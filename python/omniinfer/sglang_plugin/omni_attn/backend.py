@@ -83,10 +83,10 @@ class CompressedAttention:
         k_pos = torch.tensor(span.positions(), dtype=torch.int64, device=row.device)
         swa_slots = pool.translate_loc_from_full_to_swa(row[k_pos].to(torch.int64))
         if bool((swa_slots <= 0).any()):
-            lost = k_pos[swa_slots <= 0][:5].tolist()
+            lost = k_pos[swa_slots <= 0].tolist()
             raise EvictedKeyRead(
-                f"layer {layer.layer_id}: keys at positions {lost} were freed "
-                f"(prefix {prefix}, seq_len {seq_len})"
+                f"layer {layer.layer_id}: {len(lost)} keys at positions {lost[:5]} .. "
+                f"{lost[-1]} were freed (prefix {prefix}, seq_len {seq_len})"
             )
         keys = key_buf[swa_slots].movedim(0, 1).to(query.dtype)  # [kv_heads, n, dim]
         values = value_buf[swa_slots].movedim(0, 1).to(query.dtype)

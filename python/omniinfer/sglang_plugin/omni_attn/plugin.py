@@ -274,7 +274,9 @@ def _free_after_prefill(_result: Any, scheduler: Any, batch: Any, *_a: Any, **_k
 
     SGLang frees them at a request's second decode step at the earliest, so a burst of long
     prompts holds whole prompts in the compressed pool while the next prefills are admitted;
-    freeing here leaves each finished prefill holding only ``sink + window`` slots. Safe with
+    freeing here leaves each finished prefill holding only ``sink + window`` slots. With the
+    radix cache, the window lock on the prefix the tree holds is released too once the
+    request's window has left that prefix. Safe with
     the overlap scheduler too: the batch launched meanwhile is a decode that reads the window.
     """
     if batch is not None and batch.forward_mode.is_prebuilt():
@@ -288,14 +290,30 @@ def _free_after_prefill(_result: Any, scheduler: Any, batch: Any, *_a: Any, **_k
     if cache is None or not cache.supports_swa() or scheduler.disaggregation_mode.value == "prefill":
         return
     allocator = scheduler.token_to_kv_pool_allocator
+    assert _State.pattern is not None
+    recent = _State.pattern.recent
+    release_lock = getattr(cache, "release_swa_prefix_lock", None)  # radix cache only
     allocator.free_group_begin()
     try:
-        for req in batch.reqs:
-            if req.finished() or req.inflight_middle_chunks > 0 or not req.kv.holds_kv:
-                continue
-            cache.evict_sliding_windows(req, req.seqlen - 1)  # the prompt's KV is written
+        for req, written in zip(batch.reqs, batch.seq_lens_cpu.tolist(), strict=True):
+            if req.finished() or not req.kv.holds_kv or written != prefill_done_at(req):
+                continue  # a chunk: the tree takes it at the next chunk; nothing to free yet
+            cache.evict_sliding_windows(req, written)  # the prompt's KV is written
+            if release_lock is not None and req.kv.cache_protected_len + recent <= written:
+                # The window lock a chunked prefill left on its last inserted chunk covers
+                # positions the request no longer reads (its sink stays pinned): let the
+                # tree reclaim them now, not a window's worth of decode steps later.
+                release_lock(req)
     finally:
         allocator.free_group_end()
+
+
+def prefill_done_at(req: Any) -> int:
+    """The length an extend batch reaches when it completes ``req``'s prefill: the request's
+    sequence less the token that result just appended. A chunk of a longer prompt stops
+    short of it (SGLang's ``inflight_middle_chunks`` is already drained when the result has
+    been processed, and never counted the last chunk)."""
+    return req.seqlen - 1
 
 
 def _refresh_status(_result: Any, _batch: Any, *_a: Any, **_k: Any) -> None:

@@ -16,7 +16,14 @@ tree core: HookRegistry patches on components would be bypassed by the Rust core
 - evict (``_evict_device_next_node``, ``release_window_lock``): a node holding a sink
   position never loses its compressed KV alone, only with its full KV when the node leaves
   the tree, which a running request's full lock on its path forbids; a longer node is split
-  at the sink first so that the rest may go;
+  at the sink first so that the rest may go; an unlocked sink node goes with its subtree,
+  leaf by leaf (its compressed KV counts as evictable, so the walk must be able to free it);
+- lock (:class:`SinkFullComponent`, ``redistribute_on_node_split``): SGLang's window lock
+  covers only the last ``window`` tokens of a request's path, so the sink nodes above it
+  would count as evictable while the request runs, although nothing may free them; admission
+  adds the evictable ledger to the free pool, over-admits and the allocation after eviction
+  fails. Every full lock therefore also pins the sink nodes of its path (an SWA lock held as
+  long as the full one), and a split hands the pins to the half that still holds the sink;
 - match (``create_match_validator``): a boundary is refused below a dead sink node.
 
 The rules themselves are :mod:`omniinfer.attn.radix_sink`, tested without SGLang. Every
@@ -33,11 +40,13 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.unified_cache.cache_action import FreeComponentDeviceSlot
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
 from sglang.srt.mem_cache.unified_cache.components.swa import SWAComponent
 
 from omniinfer.attn import radix_sink
 
 BACKEND_NAME = "omni_attn"
+_PINS = "omni_sink_pins"  # SWA metadata: full locks that pin this sink node
 
 
 @dataclass
@@ -48,6 +57,9 @@ class SinkStats:
     duplicate_sink_slots_freed: int = 0  # insert overlap: request's sink slots freed
     sink_evictions_refused: int = 0  # evict walk: sink nodes skipped
     sink_splits: int = 0  # evict walk: nodes split at the sink
+    sink_subtree_leaves: int = 0  # evict walk: leaves evicted so that a sink may go
+    sink_pins: int = 0  # lock: sink nodes pinned by a full lock
+    window_splits: int = 0  # lock: nodes split where the locked window ends
     matches_refused: int = 0  # match: boundaries refused for a dead sink
 
 
@@ -90,6 +102,82 @@ class SinkSWAComponent(SWAComponent):
             _start(node), self.sink_stop
         )
 
+    # ---- lock: a full lock pins the sink nodes of its path
+
+    def _sink_nodes(self, node: Any) -> list[Any]:
+        """The nodes of ``node``'s root path that hold a sink position (its top)."""
+        root, path, cur = self.tree_core.root_node, [], node
+        while cur is not None and cur is not root:
+            path.append(cur)
+            cur = cur.parent
+        held, start = [], 0
+        for x in reversed(path):
+            if not radix_sink.holds_sink(start, self.sink_stop):
+                break
+            held.append(x)
+            start += len(x.key)
+        return held
+
+    def _shift_lock(self, node: Any, delta: int) -> None:
+        """Add ``delta`` to the node's SWA lock, moving its size between the ledgers as
+        SGLang's own lock does when the count leaves or reaches zero."""
+        ct, core = self.component_type, self.tree_core
+        cd = node.component_data[ct]
+        before, after = cd.lock_ref, cd.lock_ref + delta
+        assert after >= 0, f"sink pin release hit lock_ref=0 on node {node.id}"
+        if cd.value is not None and (before == 0) != (after == 0):
+            size = self.reclaimable_value_len(node) * (1 if before == 0 else -1)
+            core.component_evictable_size_[ct] -= size
+            core.component_protected_size_[ct] += size
+        cd.lock_ref = after
+        core._update_evictable_leaf_sets(node)
+
+    def pin_sink(self, node: Any, delta: int) -> None:
+        """A full lock on ``node``'s path taken (``delta`` 1) or released (-1). Insert
+        splits nodes at the sink, so the pinned nodes hold nothing past it."""
+        ct = self.component_type
+        for x in self._sink_nodes(node):
+            meta = x.component_data[ct].metadata
+            pins = meta.get(_PINS, 0) + delta
+            assert pins >= 0, f"sink pin released twice on node {x.id}"
+            self._shift_lock(x, delta)
+            meta[_PINS] = pins
+            self.stats.sink_pins += max(delta, 0)
+
+    def acquire_component_lock(self, node: Any, result: Any, lock_host: bool = False) -> Any:
+        """SGLang's window lock, after splitting the node where the window ends so that the
+        lock covers the window and not the whole of that node (a short last chunk would
+        otherwise lock most of the chunk before it: up to twice the window per request)."""
+        if not lock_host:
+            self._split_at_window(node)
+        return super().acquire_component_lock(node, result, lock_host)
+
+    def _split_at_window(self, node: Any) -> None:
+        root, ct, page = self.tree_core.root_node, self.component_type, self.tree_core.page_size
+        covered, cur = 0, node
+        while cur is not root and covered < self.sliding_window_size:
+            need = -(-(self.sliding_window_size - covered) // page) * page
+            if len(cur.key) > need:
+                if (cur.component_data[ct].value is not None
+                        and cur.write_through_pending_id is None
+                        and not self.tree_core.is_host_memory_buffer_only):
+                    _, action = self.tree_core._split_node(cur.key, cur, len(cur.key) - need)
+                    assert action is None, action
+                    self.stats.window_splits += 1
+                return
+            covered += len(cur.key)
+            cur = cur.parent
+
+    def redistribute_on_node_split(self, new_parent: Any, child: Any) -> None:
+        super().redistribute_on_node_split(new_parent, child)  # copies the lock to new_parent
+        meta = child.component_data[self.component_type].metadata
+        pins = meta.get(_PINS, 0)
+        if pins:
+            new_parent.component_data[self.component_type].metadata[_PINS] = pins
+            if not self._holds_sink(child):  # the sink went up with new_parent
+                del meta[_PINS]
+                self._shift_lock(child, -pins)
+
     # ---- the request's own window eviction: never below the sink
 
     def _free_out_of_window_slots(self, req: Any, pre_len: int) -> None:
@@ -118,6 +206,17 @@ class SinkSWAComponent(SWAComponent):
 
     def _populate_range(self, *, node: Any, start: int, end: int, params: Any, result: Any,
                         cap_leaf: bool, cache_actions: list[Any]) -> None:
+        if start < self.sink_stop:
+            # Every node ends at the sink or starts past it, so that a lock pins the sink
+            # alone (see pin_sink); later splits never remove the boundary. Split before
+            # SGLang queues its rebuilds, which name nodes by id.
+            for fragment, lo, hi in list(self._segments(node=node, start=start, end=end)):
+                if lo < self.sink_stop < hi:
+                    _, action = self.tree_core._split_node(
+                        fragment.key, fragment, self.sink_stop - lo
+                    )
+                    if action is not None:
+                        cache_actions.append(action)
         super()._populate_range(node=node, start=start, end=end, params=params, result=result,
                                 cap_leaf=cap_leaf, cache_actions=cache_actions)
         evicted = params.get_evicted_seqlen(self.component_type)
@@ -126,18 +225,10 @@ class SinkSWAComponent(SWAComponent):
         # SGLang stored [evicted, end) (its fragments now start at or after `evicted`);
         # what it left as tombstones below the sink is alive in the request: store it too.
         for fragment, lo, hi in list(self._segments(node=node, start=start, end=end)):
-            if lo >= min(self.sink_stop, evicted):
-                continue
-            if hi > self.sink_stop:
-                fragment, action = self.tree_core._split_node(
-                    fragment.key, fragment, self.sink_stop - lo
-                )
-                if action is not None:
-                    cache_actions.append(action)
-                hi = self.sink_stop
-            self._publish_window(node=fragment, cache_actions=cache_actions)
-            result.record_adopted_range(self.component_type, lo, hi)
-            self.stats.sink_nodes_stored += 1
+            if lo < min(self.sink_stop, evicted):
+                self._publish_window(node=fragment, cache_actions=cache_actions)
+                result.record_adopted_range(self.component_type, lo, hi)
+                self.stats.sink_nodes_stored += 1
 
     def update_component_on_insert_overlap(self, node: Any, prefix_len: int,
                                            total_prefix_len: int, value_slice: torch.Tensor,
@@ -161,6 +252,10 @@ class SinkSWAComponent(SWAComponent):
 
     # ---- evict
 
+    def _evict_device_start(self, request_cnt: int) -> None:
+        super()._evict_device_start(request_cnt)
+        self.sink_walk_mark = -1  # tracker reading at the walk's last restart
+
     def _evict_device_next_node(self, tracker: dict[Any, int], device_frees: dict[Any, Any],
                                 host_frees: dict[Any, Any], cache_actions: list[Any]) -> Any:
         ct = self.component_type
@@ -169,6 +264,10 @@ class SinkSWAComponent(SWAComponent):
         while True:
             x = self._evict_device_cursor
             if x is not None and not lru.in_list(x):
+                x = self._evict_device_cursor = lru.get_lru_no_lock()
+            if x is None and self.sink_walk_mark < tracker[ct] < self._evict_device_request_cnt:
+                # A split put sink parents behind the cursor: walk again while it frees.
+                self.sink_walk_mark = tracker[ct]
                 x = self._evict_device_cursor = lru.get_lru_no_lock()
             if x is None or tracker[ct] >= self._evict_device_request_cnt:
                 break
@@ -182,10 +281,28 @@ class SinkSWAComponent(SWAComponent):
                     cache_actions.append(action)
                 self.stats.sink_splits += 1
                 break
+            leaf = self._device_leaf_below(x)
+            if leaf is not None:
+                # Unlocked, so nothing below is locked: the sink leaves with its subtree,
+                # one leaf per step; the cursor stays until x is a leaf itself.
+                self.stats.sink_subtree_leaves += 1
+                return leaf.id
             self.stats.sink_evictions_refused += 1
             self._evict_device_cursor = lru.get_prev_no_lock(x)
         return super()._evict_device_next_node(tracker, device_frees, host_frees,
                                                cache_actions=cache_actions)
+
+    def _device_leaf_below(self, node: Any) -> Any:
+        """An evictable device leaf in ``node``'s subtree, or None (full KV on the device
+        is a top segment of the tree, so following children that hold it ends at a leaf)."""
+        full = ComponentType.FULL
+        cur = node
+        while True:
+            below = [c for c in cur.children.values() if c.component_data[full].value is not None]
+            if not below:
+                break
+            cur = below[0]
+        return cur if cur is not node and cur in self.tree_core.evictable_device_leaves else None
 
     def release_window_lock(self, node: Any, swa_uuid_for_lock: int | None,
                             device_frees: dict[Any, Any], host_frees: dict[Any, Any],
@@ -214,10 +331,34 @@ class SinkSWAComponent(SWAComponent):
             cur = cur.parent
 
 
+class SinkFullComponent(FullComponent):
+    """SGLang's full tree component; each device lock also pins its path's sink nodes."""
+
+    def _sinks(self) -> SinkSWAComponent | None:
+        component = self.tree_core.components_by_type.get(ComponentType.SWA)
+        return component if isinstance(component, SinkSWAComponent) else None
+
+    def acquire_component_lock(self, node: Any, result: Any, lock_host: bool = False) -> Any:
+        result = super().acquire_component_lock(node, result, lock_host)
+        if not lock_host and (sinks := self._sinks()) is not None:
+            sinks.pin_sink(node, 1)
+        return result
+
+    def release_component_lock(self, node: Any, params: Any, lock_host: bool = False) -> None:
+        super().release_component_lock(node, params, lock_host)
+        if not lock_host and (sinks := self._sinks()) is not None:
+            sinks.pin_sink(node, -1)
+
+
 def _device_layer() -> Any:
     from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 
     return EvictLayer.DEVICE
+
+
+def component_overrides() -> dict[Any, type]:
+    """The tree components this backend replaces (``component_registry_override``)."""
+    return {ComponentType.FULL: SinkFullComponent, ComponentType.SWA: SinkSWAComponent}
 
 
 def factory(ctx: Any) -> Any:
@@ -233,7 +374,7 @@ def factory(ctx: Any) -> Any:
     params = ctx.params
     params.component_registry_override = {
         **(params.component_registry_override or {}),
-        ComponentType.SWA: SinkSWAComponent,
+        **component_overrides(),
     }
     return create_unified_radix_cache(ctx)
 
