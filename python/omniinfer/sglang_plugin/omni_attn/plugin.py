@@ -274,9 +274,7 @@ def _free_after_prefill(_result: Any, scheduler: Any, batch: Any, *_a: Any, **_k
 
     SGLang frees them at a request's second decode step at the earliest, so a burst of long
     prompts holds whole prompts in the compressed pool while the next prefills are admitted;
-    freeing here leaves each finished prefill holding only ``sink + window`` slots. With the
-    radix cache, the window lock on the prefix the tree holds is released too once the
-    request's window has left that prefix. Safe with
+    freeing here leaves each finished prefill holding only ``sink + window`` slots. Safe with
     the overlap scheduler too: the batch launched meanwhile is a decode that reads the window.
     """
     if batch is not None and batch.forward_mode.is_prebuilt():
@@ -290,20 +288,12 @@ def _free_after_prefill(_result: Any, scheduler: Any, batch: Any, *_a: Any, **_k
     if cache is None or not cache.supports_swa() or scheduler.disaggregation_mode.value == "prefill":
         return
     allocator = scheduler.token_to_kv_pool_allocator
-    assert _State.pattern is not None
-    recent = _State.pattern.recent
-    release_lock = getattr(cache, "release_swa_prefix_lock", None)  # radix cache only
     allocator.free_group_begin()
     try:
         for req, written in zip(batch.reqs, batch.seq_lens_cpu.tolist(), strict=True):
             if req.finished() or not req.kv.holds_kv or written != prefill_done_at(req):
                 continue  # a chunk: the tree takes it at the next chunk; nothing to free yet
             cache.evict_sliding_windows(req, written)  # the prompt's KV is written
-            if release_lock is not None and req.kv.cache_protected_len + recent <= written:
-                # The window lock a chunked prefill left on its last inserted chunk covers
-                # positions the request no longer reads (its sink stays pinned): let the
-                # tree reclaim them now, not a window's worth of decode steps later.
-                release_lock(req)
     finally:
         allocator.free_group_end()
 
