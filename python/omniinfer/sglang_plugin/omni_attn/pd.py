@@ -155,12 +155,17 @@ def around_send_kv_chunk(original: Any, scheduler: Any, req: Any, last_chunk: bo
 def around_send_kv_metadata(original: Any, queue: Any, decode_req: Any, kv_indices: Any,
                             page_size: int, state_indices: Any = None, **kwargs: Any) -> Any:
     """Decode: receive the sink pages into this side's sink slots, and keep them."""
+    if "decode_prefix_len" not in kwargs:  # SGLang 0.5.23 passes it on every call
+        raise RuntimeError(
+            "OmniAttn PD: DecodePreallocQueue._send_kv_metadata was called without "
+            "decode_prefix_len; this SGLang version is not supported (the sink span needs it)"
+        )
     req = decode_req.req
     if req.kv.swa_evict_floor < _State.sink:
         req.kv.swa_evict_floor = _State.sink
     allocator = queue.token_to_kv_pool_allocator
     lo, hi = runtime_window.transfer_sink_span(
-        kwargs.get("decode_prefix_len", 0), len(req.origin_input_ids),
+        kwargs["decode_prefix_len"], len(req.origin_input_ids),
         queue.scheduler.sliding_window_size, _State.sink, allocator.page_size)
     if hi > lo and state_indices is not None:
         pages = _sink_pages(queue.req_to_token_pool.req_to_token, allocator,
