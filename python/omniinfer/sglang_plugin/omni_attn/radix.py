@@ -8,8 +8,9 @@ one place that teaches the tree about them, through SGLang's supported extension
 (``register_radix_cache_backend`` and a component override, which also selects the Python
 tree core: HookRegistry patches on components would be bypassed by the Rust core):
 
-- insert (``_populate_range``): a new node's sink positions are stored live, not as
-  tombstones; SGLang would leave those slots owned by no node;
+- insert (``_populate_range``): a new node is split at the sink before SGLang stores it, and
+  its sink positions are stored live, not as tombstones (SGLang would leave those slots owned
+  by no node);
 - insert over existing nodes (``update_component_on_insert_overlap``): a duplicate sink whose
   compressed slots are still the request's is freed on both sides (SGLang frees below the
   request's eviction cursor on the full side only, leaking the sink's compressed slots);
@@ -24,6 +25,8 @@ tree core: HookRegistry patches on components would be bypassed by the Rust core
   adds the evictable ledger to the free pool, over-admits and the allocation after eviction
   fails. Every full lock therefore also pins the sink nodes of its path (an SWA lock held as
   long as the full one), and a split hands the pins to the half that still holds the sink;
+- window lock (``acquire_component_lock``): the node where the window ends is split there, so
+  the lock holds one window, not the rest of a long node above a short last chunk;
 - match (``create_match_validator``): a boundary is refused below a dead sink node.
 
 The rules themselves are :mod:`omniinfer.attn.radix_sink`, tested without SGLang. Every
