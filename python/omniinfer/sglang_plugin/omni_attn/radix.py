@@ -156,6 +156,9 @@ class SinkSWAComponent(SWAComponent):
         return super().acquire_component_lock(node, result, lock_host)
 
     def _split_at_window(self, node: Any) -> None:
+        """Split the node of ``node``'s path in which the last ``sliding_window_size``
+        tokens begin, at that point (page-rounded); tombstones and nodes a split would owe
+        SGLang a cache action for are left whole."""
         root, ct, page = self.tree_core.root_node, self.component_type, self.tree_core.page_size
         covered, cur = 0, node
         while cur is not root and covered < self.sliding_window_size:
