@@ -95,6 +95,13 @@ def wait_status(base_url: str, settled: Callable[[dict[str, Any]], bool],
     return status
 
 
+def pools_balanced(status: dict[str, Any]) -> bool:
+    """Whether both pools of the ``/omni/attn`` radix ledger add up: free + evictable +
+    protected = capacity (true once no request holds slots outside the tree)."""
+    book = status["radix"]["ledger"]
+    return all(p["free"] + p["evictable"] + p["protected"] == p["capacity"] for p in book.values())
+
+
 def book_tokens(model: Path, start: int, end: int) -> list[int]:
     """Token ids of characters ``start:end`` of the packaged book text."""
     from transformers import AutoTokenizer

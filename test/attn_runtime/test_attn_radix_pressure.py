@@ -77,10 +77,5 @@ def test_a_burst_past_the_pools_is_answered_and_the_pools_balance(
     for prompt, reply in list(zip(burst, replies, strict=True))[:2]:
         assert reply["output_ids"] == serving.masked_greedy(reference, prompt, NEW_TOKENS,
                                                             windows)
-    status = serving.wait_status(server.base_url, _balanced)
-    assert _balanced(status), status["radix"]["ledger"]
-
-
-def _balanced(status: dict[str, Any]) -> bool:
-    book = status["radix"]["ledger"]
-    return all(p["free"] + p["evictable"] + p["protected"] == p["capacity"] for p in book.values())
+    status = serving.wait_status(server.base_url, serving.pools_balanced)
+    assert serving.pools_balanced(status), status["radix"]["ledger"]

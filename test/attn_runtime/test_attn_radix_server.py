@@ -43,11 +43,6 @@ def tokens(model_dir: Path) -> list[int]:
     return serving.book_tokens(model_dir, 10000, 90000)
 
 
-def _balanced(status: dict[str, Any]) -> bool:
-    book = status["radix"]["ledger"]
-    return all(p["free"] + p["evictable"] + p["protected"] == p["capacity"] for p in book.values())
-
-
 def _suffix(tokens: list[int], i: int) -> list[int]:
     start = 12_000 + 97 * i
     return tokens[start : start + 40]
@@ -96,8 +91,8 @@ def test_after_pressure_evicts_the_tree_outputs_stay_exact(
 
 def test_idle_pools_balance_and_flush_frees_both(server: Any, tokens: list[int]) -> None:
     serving.generate(server.base_url, tokens[:PREFIX] + _suffix(tokens, 9), 4)
-    status = serving.wait_status(server.base_url, _balanced)
-    assert _balanced(status), status["radix"]["ledger"]
+    status = serving.wait_status(server.base_url, serving.pools_balanced)
+    assert serving.pools_balanced(status), status["radix"]["ledger"]
     assert status["radix"]["ledger"]["compressed"]["evictable"] > 0  # the tree holds KV
     with urllib.request.urlopen(f"{server.base_url}/flush_cache", timeout=60) as reply:
         assert reply.status == 200

@@ -328,7 +328,6 @@ def _checkpoint(tree: Tree, req: Running, upto: int) -> None:
 def _retract(tree: Tree, req: Running) -> None:
     """SGLang's retraction: the request's own slots back (compressed ones where alive), the
     lock released, nothing inserted."""
-    own = req.row[req.prefix:]
     dead_hi = max(req.evicted, req.prefix)
     lo = max(req.prefix, SINK)
     alive = [p for p in range(req.prefix, len(req.tokens)) if not (lo <= p < dead_hi)]
@@ -337,7 +336,6 @@ def _retract(tree: Tree, req: Running) -> None:
         tree.alloc.free_full_segments([(req.row[dead], dead[0])])
     if alive:
         tree.alloc.free(req.row[alive])
-    del own
     tree.cache.unlock(req.lock)
     tree.running.remove(req)
 
