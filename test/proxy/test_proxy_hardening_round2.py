@@ -325,3 +325,44 @@ def test_a_kept_alive_connection_outlives_a_short_head_timeout() -> None:
 async def _small_answer(request: web.Request) -> web.Response:
     await request.read()
     return web.json_response({"text": "ok"})
+
+
+async def _done_then_slow_end(request: web.Request) -> web.StreamResponse:
+    await request.read()
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    await out.write(b'data: {"text": "a", "meta_info": {"completion_tokens": 1}}\n\n')
+    await out.write(b"data: [DONE]\n\n")
+    await asyncio.sleep(0.5)  # the client has read [DONE] and gone before the stream ends
+    await out.write_eof()
+    return out
+
+
+def test_a_client_that_leaves_after_done_got_its_whole_answer() -> None:
+    """Streaming clients (the OpenAI SDK, bench_serving) stop reading at ``data: [DONE]`` and
+    close the connection, often before the router writes the chunked terminator. That answer
+    was delivered: it counts as a 200, and the worker is not told to abort a finished request."""
+
+    async def main() -> None:
+        worker = ScriptedWorker({"/generate": _done_then_slow_end})
+        async with router_for([worker]) as (base, serving):
+            reader, writer = await asyncio.open_connection(
+                "127.0.0.1", serving.router.config.port)
+            body = b'{"text": "hi", "stream": true}'
+            writer.write(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                         b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            await writer.drain()
+            seen = b""
+            async with asyncio.timeout(10):
+                while b"[DONE]" not in seen:
+                    seen += await reader.read(4096)
+            writer.close()
+            await asyncio.sleep(1.0)  # the worker ends its stream; the router finishes
+            async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as r:
+                metrics = await r.text()
+            assert 'omniproxy_requests_total{endpoint="generate",status="200"} 1.0' in metrics
+            assert 'status="499"' not in metrics
+            assert "/abort_request" not in worker.paths()
+            assert serving.router.admission.active == 0
+
+    run(main())

@@ -307,6 +307,35 @@ def test_redirect_to_a_starved_instance_waits_as_long_as_the_recompute_it_costs(
     assert [(r.item.key, r.instance.key, r.reason) for r in out] == [("a", "starved", "starved")]
 
 
+def test_a_costly_redirect_takes_only_what_the_starved_instances_own_requests_leave() -> None:
+    """``old`` (first in the order) has its prefix on the busy instance and has waited past its
+    recompute; ``mine`` has its prefix on the starved instance, which has room for one more
+    request. ``mine`` goes there, and ``old`` keeps waiting for its own instance rather than
+    recompute its prefix in the place of a request cached there. Once ``mine`` is gone and
+    the starved instance still has room, ``old`` moves."""
+    busy, spare = FakeInstance("busy", backlog=5.0), FakeInstance("spare", backlog=5.0)
+    room = {"spare": 1}
+    home = {"old": busy, "mine": spare}
+
+    def cost(w: Waiting, inst: FakeInstance, now: float) -> float:
+        return 0.0 if inst is home[w.key] else 1.0
+
+    def take(release: Release) -> None:
+        room[release.instance.key] = room.get(release.instance.key, 0) - 1
+
+    q = DeferredQueue(get_order("fifo"), cost,
+                      starved=lambda inst, now: room.get(inst.key, 0) > 0,
+                      redirect_wait=lambda w, inst: 0.0 if home[w.key] is inst else 0.3)
+    q.push(item("old", 0.05, 0.0))
+    q.push(item("mine", 0.05, 0.35))
+    out = q.pump(0.4, [busy, spare], take)
+    assert [(r.item.key, r.instance.key, r.reason) for r in out] == [("mine", "spare", "starved")]
+    assert "old" in q.items
+    room["spare"] = 1
+    out = q.pump(0.5, [busy, spare], take)  # still inside the hold bound (0.9 s)
+    assert [(r.item.key, r.instance.key, r.reason) for r in out] == [("old", "spare", "starved")]
+
+
 def test_a_waiting_request_still_goes_to_its_own_instance_the_moment_it_opens() -> None:
     own, starved = FakeInstance("own", backlog=5.0), FakeInstance("starved", backlog=5.0)
     q = DeferredQueue(get_order("fifo"), lambda w, inst, now: 0.0 if inst is own else 1.0,

@@ -266,8 +266,11 @@ async def _attempt(router: Router, strategy: Strategy, attempt: Attempt,
         attempt.cancel_held()
         return f
     except (asyncio.CancelledError, ConnectionResetError):
-        req.error = "client disconnected"
         attempt.cancel_held()
+        if req.delivered:  # gone after its last event: answered, nothing left to abort
+            ok = True
+            raise
+        req.error = "client disconnected"
         for b in attempt.bookings:
             router.abort(b.worker, rids, "client_disconnected")
         raise

@@ -60,11 +60,9 @@ async def handle(router: Router, request: web.Request, endpoint: str) -> web.Str
         response = await route(router, strategy)
         status = response.status
         return response
-    except asyncio.CancelledError:
-        status = 499  # the client went away; nobody is left to answer
-        raise
-    except ConnectionError:
-        status = 499
+    except (asyncio.CancelledError, ConnectionError):
+        # the client went away; nobody is left to answer (unless it had its whole answer)
+        status = 200 if req.delivered else 499
         raise
     except Rejected as exc:
         status = 503

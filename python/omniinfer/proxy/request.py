@@ -121,7 +121,7 @@ class Request:
     __slots__ = ("id", "endpoint", "life", "prepared", "body", "stream", "batch", "route",
                  "headers", "rids", "output_events", "tail", "client_rid", "status", "decisions",
                  "bootstrap_room", "worker_rids", "failures", "error", "output_tokens",
-                 "reported_cached_tokens", "cache_prediction")
+                 "reported_cached_tokens", "cache_prediction", "delivered")
 
     body: dict[str, Any]  # as the client sent it (never the router's rids)
     route: RouteRequest  # what the policies see
@@ -137,6 +137,7 @@ class Request:
         self.rids: list[str] = []  # the router's rids of the current attempt
         self.output_events = 0  # ``data:`` events of a stream so far
         self.tail = b""  # a stream's last bytes (its final usage)
+        self.delivered = False  # the client was sent the stream's closing [DONE] event
         # the access-log record (None / empty: not written)
         self.client_rid: Any = None
         self.status = 500

@@ -152,10 +152,17 @@ def completion_tokens(obj: Any) -> int:
     return 0
 
 
+DONE = b"data: [DONE]"
+
+
 async def pipe(router: Router, request: web.Request, req: Request, resp: Response,
                first: bytes, worker: Worker,
                on_upstream_error: Callable[[], Any] | None = None) -> web.StreamResponse:
-    """Send the upstream stream to the client; a mid-stream failure ends it with one error."""
+    """Send the upstream stream to the client; a mid-stream failure ends it with one error.
+
+    Streaming clients stop reading at ``data: [DONE]`` and close, often before the worker's
+    stream or the chunked terminator has ended: once that event was written the answer is
+    delivered (``req.delivered``), and a disconnect after it is no failure."""
     out = web.StreamResponse(status=200, headers={
         "Content-Type": resp.headers.get("content-type", "text/event-stream"),
         "Cache-Control": "no-cache", **req.headers})
@@ -166,6 +173,7 @@ async def pipe(router: Router, request: web.Request, req: Request, resp: Respons
         req.output_events = first.count(b"data:")
         tail = first
         await out.write(first)
+        req.delivered = DONE in first
         while True:
             try:
                 chunk = await resp.readany(idle)
@@ -188,7 +196,17 @@ async def pipe(router: Router, request: web.Request, req: Request, resp: Respons
             req.output_events += chunk.count(b"data:")
             tail = tail[-2048:] + chunk if len(chunk) < 4096 else chunk[-4096:]
             await out.write(chunk)
-        await out.write_eof()
+            req.delivered = req.delivered or DONE in tail[-len(chunk) - len(DONE):]
+        try:
+            await out.write_eof()
+        except ConnectionResetError:
+            if not req.delivered:
+                raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        if req.delivered:  # the client left after its last event: count what it got
+            req.tail = tail
+            count_output(req, tail)
+        raise
     finally:
         resp.close()
     req.tail = tail

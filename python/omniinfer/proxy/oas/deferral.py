@@ -19,6 +19,9 @@ An optional ``redirect_wait`` makes that move pay for itself: a request goes to 
 instance only once it has waited as long as the extra compute it would cost there (its cached
 prefix lives elsewhere) -- the ski-rental rule: while its own instance may open any moment,
 waiting is cheap; past that point, recomputing is. Without a cache difference the wait is zero.
+Such a costly move comes last: the walk first serves every request whose best instance is open
+(a starved instance included), and only the capacity that leaves takes a redirected request, so
+a move that recomputes a prefix never pushes out a request whose prefix is cached there.
 
 Nothing here does I/O or reads a clock; the caller passes ``now`` and acts on what ``pump``
 returns.
@@ -283,6 +286,7 @@ class DeferredQueue:
         # instance and again after each release there (the walk is O(queue × instances))
         is_open = {id(i): self.gate(i, now) for i in instances}
         is_starved = {id(i): self._is_starved(i, now) for i in instances}
+        costly: list[Waiting] = []  # would recompute a prefix cached elsewhere: second pass
         for item in self.order(fresh, now):
             open_now = [i for i in instances if is_open[id(i)]]
             if not open_now:
@@ -290,19 +294,45 @@ class DeferredQueue:
             found = self.best(item, open_now if self.choose_among_open else instances, now)
             reason = None if found is None else self._reason(found[0], now, is_open[id(found[0])])
             if reason is None:  # its best instance is busy: an instance short of work takes it
-                starved = [i for i in instances if is_starved[id(i)]]
-                found = self.best(item, starved, now) if starved else None
-                if found is not None and self.redirect_wait is not None:
-                    ready = item.arrival + self.redirect_wait(item, found[0])
-                    if now < ready - 1e-9:  # not yet worth its recompute: wait for its own
-                        self._redirect_at = min(self._redirect_at, ready)
-                        found = None
+                found = self._redirect(item, instances, is_starved, now, costly)
                 reason = None if found is None else "starved"
             if found is not None and reason is not None:
                 out.append(self._release(item, found[0], reason, found[1], on_release))
                 is_open[id(found[0])] = self.gate(found[0], now)
                 is_starved[id(found[0])] = self._is_starved(found[0], now)
+        # A redirect that recomputes takes only what the requests preferring an instance left
+        for item in costly:
+            found = self._redirect(item, instances, is_starved, now, None)
+            if found is not None:
+                out.append(self._release(item, found[0], "starved", found[1], on_release))
+                is_open[id(found[0])] = self.gate(found[0], now)
+                is_starved[id(found[0])] = self._is_starved(found[0], now)
         return out
+
+    def _redirect(self, item: Waiting, instances: Sequence[Instance], is_starved: dict[int, bool],
+                  now: float, costly: list[Waiting] | None) -> tuple[Instance, Any] | None:
+        """The starved instance ``item`` may move to now, its best being busy (None: it waits).
+
+        A move that costs no recompute goes at once. One that recomputes a prefix cached
+        elsewhere is put on ``costly`` during the first pass (so every request that prefers
+        the starved instance is served there first) and, in the second pass (``costly`` None),
+        goes once it has waited as long as that recompute (the ski-rental rule).
+        """
+        starved = [i for i in instances if is_starved[id(i)]]
+        found = self.best(item, starved, now) if starved else None
+        if found is None or self.redirect_wait is None:
+            return found
+        wait = self.redirect_wait(item, found[0])
+        if wait <= 0.0:
+            return found
+        if costly is not None:
+            costly.append(item)
+            return None
+        ready = item.arrival + wait
+        if now < ready - 1e-9:  # not yet worth its recompute: wait for its own
+            self._redirect_at = min(self._redirect_at, ready)
+            return None
+        return found
 
     def _is_starved(self, inst: Instance, now: float) -> bool:
         return self.starved is not None and self.starved(inst, now)

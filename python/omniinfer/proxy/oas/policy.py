@@ -17,8 +17,10 @@ instance busy therefore cannot leave it idle while requests wait here.
 Where prefixes are shared, a cache miss costs the cluster its recompute, not only the request's
 TTFT: the estimate adds the compute an instance needs beyond the request's best-cached one
 (``miss_weight``), and a request moves to an instance short of work only once it has waited as
-long as that extra compute (``patient_redirect``, the ski-rental rule). In regular mode a
-streamed request's prefill ends at its first event, so the instance's clock closes it there.
+long as that extra compute (``patient_redirect``, the ski-rental rule), and takes only the
+capacity left once every request that prefers that instance has been served there. In regular
+mode a streamed request's prefill ends at its first event, so the instance's clock closes it
+there.
 Decode: longest first to the least-loaded decode instance under its cap.
 
 The ablations are the same policy with one part switched off, registered beside it:
