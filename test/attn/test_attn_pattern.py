@@ -108,3 +108,17 @@ def test_missing_keys_and_unreadable_files(tmp_path: Path) -> None:
 def test_constructing_an_invalid_pattern_fails() -> None:
     with pytest.raises(PatternError, match="outside 0..29"):
         _pattern(compressed_layers=(30,))
+
+
+@pytest.mark.parametrize("path", sorted(
+    (Path(pattern.__file__).parent / "patterns").glob("*.json"), key=lambda p: p.name),
+    ids=lambda p: p.name)
+def test_every_shipped_pattern_loads_and_says_what_it_saves_at_its_context(path: Path) -> None:
+    """A server picks a pattern for its traffic's context: each shipped file must load, name
+    the context it was searched for, and save there what its provenance says."""
+    shipped = pattern.load(path)
+    context = shipped.provenance.get("context")
+    assert isinstance(context, int) and context > shipped.sink + shipped.recent, path.name
+    saved = pattern.kv_saved_fraction(len(shipped.compressed_layers), shipped.num_layers,
+                                      shipped.sink, shipped.recent, context)
+    assert saved == pytest.approx(shipped.provenance["kv_saved_fraction"], abs=1e-3), path.name
