@@ -16,14 +16,13 @@ import argparse
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
 
+from generalise import lazy_scores, windows_of  # same folder: the search's cached scoring
 from tqdm import tqdm
 
-from omniinfer.attn import evaluator, text
+from omniinfer.attn import evaluator, pattern, text
 from omniinfer.attn.baselines import first_k
-from omniinfer.attn.objective import Genome, from_layers
-from omniinfer.attn.search import MetricsCache
+from omniinfer.attn.objective import Genome
 
 HERE = Path(__file__).resolve().parent
 
@@ -44,12 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def resolve(spec: str, num_layers: int) -> tuple[Genome, dict[str, Any] | None]:
-    """``first-K`` or a pattern file: the genome and the file's contents (None for first-K)."""
+def resolve(spec: str, num_layers: int) -> tuple[Genome, pattern.Pattern | None]:
+    """``first-K`` or a pattern file: the genome and the loaded pattern (None for first-K)."""
     if spec.startswith("first-"):
         return first_k(int(spec.removeprefix("first-")), num_layers), None
-    data = json.loads(Path(spec).read_text())
-    return from_layers(data["compressed_layers"], num_layers), data
+    loaded = pattern.load(Path(spec))
+    return loaded.mask, loaded
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,25 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     num_layers = int(model.config.num_hidden_layers)
     specs = [s for s in args.patterns.split(",") if s]
     patterns = {s: resolve(s, num_layers) for s in specs}
-    files = [data for _, data in patterns.values() if data is not None]
-    sink = args.sink if args.sink is not None else (files[0]["sink"] if files else 128)
-    recent = args.recent if args.recent is not None else (files[0]["recent"] if files else 384)
-    windows = {n: text.windows(tokenizer, text.read(n), args.context, args.windows) for n in texts}
+    files = [loaded for _, loaded in patterns.values() if loaded is not None]
+    sink = args.sink if args.sink is not None else (files[0].sink if files else 128)
+    recent = args.recent if args.recent is not None else (files[0].recent if files else 384)
     texts_id = hashlib.sha1(",".join(texts).encode()).hexdigest()[:6]
     cache_path = args.out.with_name(
         f"{args.out.stem}-scores-{texts_id}-{args.windows}x{args.context}-sink{sink}"
         f"-recent{recent}.json")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    built: list[evaluator.TextSetEvaluator] = []
-
-    def evaluate(genome: Genome) -> dict[str, Any]:
-        if not built:
-            built.append(evaluator.TextSetEvaluator(model, windows, sink, recent))
-        record = built[0].evaluate(genome)
-        record["kv_saved_fraction"] = built[0].kv_saved_fraction(genome, args.context)
-        return record
-
-    cache = MetricsCache(evaluate, cache_path)
+    cache = lazy_scores(cache_path, lambda: evaluator.TextSetEvaluator(
+        model, windows_of(tokenizer, texts, "all", args.context, args.windows), sink, recent))
     rows = {spec: cache.get(genome) for spec, (genome, _) in
             tqdm(patterns.items(), desc="patterns", unit="pattern")}
     print(f"context {args.context}, sink {sink} + recent {recent}, {args.windows} windows per "

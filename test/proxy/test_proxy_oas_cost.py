@@ -212,4 +212,3 @@ def test_goodput_and_moore_hodgson_variants_reach_the_queue() -> None:
     clock.on_sent("x", 7000, 0.1)  # about 0.7 s queued there: "older" can no longer make it
     assert clock.queue_seconds(0.1) > 0.6
     assert [w.key for w in mh.queue.order([newer, older], 0.1)] == ["newer", "older"]
-

@@ -287,6 +287,12 @@ class DeferredQueue:
         is_open = {id(i): self.gate(i, now) for i in instances}
         is_starved = {id(i): self._is_starved(i, now) for i in instances}
         costly: list[Waiting] = []  # would recompute a prefix cached elsewhere: second pass
+
+        def release(item: Waiting, inst: Instance, reason: str, estimate: Any) -> None:
+            out.append(self._release(item, inst, reason, estimate, on_release))
+            is_open[id(inst)] = self.gate(inst, now)
+            is_starved[id(inst)] = self._is_starved(inst, now)
+
         for item in self.order(fresh, now):
             open_now = [i for i in instances if is_open[id(i)]]
             if not open_now:
@@ -297,16 +303,12 @@ class DeferredQueue:
                 found = self._redirect(item, instances, is_starved, now, costly)
                 reason = None if found is None else "starved"
             if found is not None and reason is not None:
-                out.append(self._release(item, found[0], reason, found[1], on_release))
-                is_open[id(found[0])] = self.gate(found[0], now)
-                is_starved[id(found[0])] = self._is_starved(found[0], now)
+                release(item, found[0], reason, found[1])
         # A redirect that recomputes takes only what the requests preferring an instance left
         for item in costly:
             found = self._redirect(item, instances, is_starved, now, None)
             if found is not None:
-                out.append(self._release(item, found[0], "starved", found[1], on_release))
-                is_open[id(found[0])] = self.gate(found[0], now)
-                is_starved[id(found[0])] = self._is_starved(found[0], now)
+                release(item, found[0], "starved", found[1])
         return out
 
     def _redirect(self, item: Waiting, instances: Sequence[Instance], is_starved: dict[int, bool],
