@@ -55,6 +55,7 @@ def test_values_are_converted_and_exported(tmp_path: Path) -> None:
         (["--omni-placement-margin", "abc"], "expected a number"),
         (["--omni-attn-pattern", "/no/such/file.json"], "no such file"),
         (["--omni-placement-plan", "/no/such/plan.json"], "no such file"),
+        (["--omni-attn-context", "0"], "must be >= 1"),
     ],
 )
 def test_bad_values_raise_one_line(argv: list[str], fragment: str) -> None:
@@ -68,6 +69,11 @@ def test_plan_needs_placement_enabled(tmp_path: Path) -> None:
     plan.write_text("{}")
     with pytest.raises(OmniFlagError, match="needs --enable-omni-placement"):
         parse(["--omni-placement-plan", str(plan)])
+
+
+def test_attn_context_needs_a_pattern() -> None:
+    with pytest.raises(OmniFlagError, match="--omni-attn-context: needs --omni-attn-pattern"):
+        parse(["--omni-attn-context", "8192"])
 
 
 def test_pattern_must_hold_a_json_object(tmp_path: Path) -> None:

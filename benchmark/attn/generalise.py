@@ -61,6 +61,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ridge", type=float, default=0.3, help="the additive model's ridge term")
     p.add_argument("--first-k", default="12,13,14,15,16,17,18",
                    help="first-k sizes reported beside the GA's pattern")
+    p.add_argument("--transfer", type=Path, default=None,
+                   help="a search's score cache at another context or window (its run/search-"
+                        "*.json, same search texts): an additive model fitted on it proposes "
+                        "--transfer-seeds patterns of --layers for the GA's first generation")
+    p.add_argument("--transfer-seeds", type=int, default=3)
     p.add_argument("--previous", type=Path, default=None,
                    help="a pattern file to report as well (e.g. the one shipped before)")
     p.add_argument("--long", default="4096:3,8192:2",
@@ -107,6 +112,19 @@ def refine(search: MetricsCache, scored: list[Genome], args: argparse.Namespace)
                           "drop": record["drop"], "worst_text": record["worst_text"]})
         pool.append(genome)
     return proposals
+
+
+def transfer_seeds(cache: Path, texts: list[str], size: int, count: int, ridge: float,
+                   seed: int) -> list[str]:
+    """Bit strings of ``count`` patterns of ``size`` layers that the additive model fitted on
+    another search's scores (``cache``) predicts best; the texts must be the ones searched here."""
+    records = json.loads(cache.read_text(encoding="utf-8"))
+    scored = [(from_bits(bits), {n: m["drop"] for n, m in record["texts"].items()})
+              for bits, record in records.items()]
+    if not scored or set(scored[0][1]) != set(texts):
+        raise SystemExit(f"{cache} does not hold scores on the search texts {texts}")
+    model = surrogate.fit(scored, ridge)
+    return [to_bits(g) for g in surrogate.propose_several(model, size, count, seed=seed)]
 
 
 def names(spec: str) -> list[str]:
@@ -167,11 +185,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. The GA at a fixed size, seeded with the first-k pattern of that size.
     began = time.perf_counter()
-    seed_bits = to_bits(first_k(args.layers, num_layers))
+    seed_bits = [to_bits(first_k(args.layers, num_layers))]
+    if args.transfer is not None:
+        seed_bits += transfer_seeds(args.transfer, search_texts, args.layers,
+                                    args.transfer_seeds, args.ridge, args.seed)
     settings = SearchSettings(
         max_drop=args.max_drop, budget=args.budget, methods=(GA,),
         ga=GAConfig(population=args.population, generations=10_000, seed=args.seed,
-                    layers=args.layers, seeds=(seed_bits,)),
+                    layers=args.layers, seeds=tuple(seed_bits)),
     )
     ga = summary(run_search(lambda g: search.get(g), num_layers, settings, run))[GA]
     # 1b. Proposals of an additive model fitted on every score so far, each one measured.
@@ -280,7 +301,10 @@ def write_pattern(args: argparse.Namespace, model: Any, genome: Genome, results:
                   unseen_texts: list[str]) -> None:
     unseen = results["unseen"]["ga"]
     provenance = {
-        "method": "genetic algorithm (omniinfer.attn.ga), fixed size, seeded with first-k, "
+        "method": "genetic algorithm (omniinfer.attn.ga), fixed size, seeded with first-k"
+                  + (f" and {args.transfer_seeds} proposals of an additive model fitted on "
+                     f"the scores of {args.transfer.parent.parent.name}" if args.transfer else "")
+                  + ", "
                   f"then {args.refine} proposals of an additive model (omniinfer.attn.surrogate)"
                   f"; the best came from the {results['ga']['best_from']}",
         "objective": "smallest worst-text relative perplexity increase at "

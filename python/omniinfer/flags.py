@@ -130,6 +130,15 @@ OMNI_FLAGS: tuple[OmniFlag, ...] = (
         _existing_json_file,
     ),
     OmniFlag(
+        "omni_attn_context",
+        int,
+        None,
+        "OmniAttn: the request length (prompt + output tokens) the full and compressed KV pools "
+        "are balanced for when --max-total-tokens is given; default: the context the pattern "
+        "was searched for (its file says), else 2048.",
+        _at_least(1),
+    ),
+    OmniFlag(
         "omni_cpu_busy_poll",
         bool,
         False,
@@ -154,6 +163,7 @@ class OmniConfig:
     omni_placement_interval: int = 100
     omni_placement_plan: str | None = None
     omni_attn_pattern: str | None = None
+    omni_attn_context: int | None = None
     omni_cpu_busy_poll: bool = False
 
     @classmethod
@@ -193,6 +203,8 @@ class OmniConfig:
     def _check_combination(self) -> None:
         if self.omni_placement_plan is not None and not self.enable_omni_placement:
             raise OmniFlagError("--omni-placement-plan: needs --enable-omni-placement")
+        if self.omni_attn_context is not None and self.omni_attn_pattern is None:
+            raise OmniFlagError("--omni-attn-context: needs --omni-attn-pattern")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

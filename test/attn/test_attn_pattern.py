@@ -117,8 +117,14 @@ def test_every_shipped_pattern_loads_and_says_what_it_saves_at_its_context(path:
     """A server picks a pattern for its traffic's context: each shipped file must load, name
     the context it was searched for, and save there what its provenance says."""
     shipped = pattern.load(path)
-    context = shipped.provenance.get("context")
-    assert isinstance(context, int) and context > shipped.sink + shipped.recent, path.name
+    context = shipped.serving_context
+    assert context is not None and context > shipped.sink + shipped.recent, path.name
     saved = pattern.kv_saved_fraction(len(shipped.compressed_layers), shipped.num_layers,
                                       shipped.sink, shipped.recent, context)
     assert saved == pytest.approx(shipped.provenance["kv_saved_fraction"], abs=1e-3), path.name
+
+
+def test_serving_context_is_read_only_when_it_is_a_positive_integer() -> None:
+    assert _pattern(provenance={"context": 8192}).serving_context == 8192
+    for bad in ({}, {"context": "8192"}, {"context": 0}, {"context": True}):
+        assert _pattern(provenance=bad).serving_context is None

@@ -79,3 +79,18 @@ def test_bad_input_is_refused() -> None:
     with pytest.raises(ValueError, match="size"):
         surrogate.propose(model, N + 1)
     assert isinstance(model.weights, np.ndarray)
+
+
+def test_several_proposals_are_distinct_sized_and_in_predicted_order() -> None:
+    model = surrogate.fit(sample(60), ridge=1e-6)
+    proposals = surrogate.propose_several(model, SIZE, 5)
+    assert len(proposals) == 5 and len(set(proposals)) == 5
+    assert all(sum(g) == SIZE for g in proposals)
+    predicted = [model.worst(g) for g in proposals]
+    assert predicted == sorted(predicted)
+    assert proposals[0] == surrogate.propose(model, SIZE)
+    # A larger size than the fit saw: the layers it found cheap are the ones added.
+    wider = surrogate.propose_several(model, SIZE + 2, 1)[0]
+    assert max(drops(wider).values()) == pytest.approx(min(
+        max(drops(from_layers(c, N)).values())
+        for c in itertools.combinations(range(N), SIZE + 2)))

@@ -79,6 +79,34 @@ def test_the_pool_split_is_balanced_for_the_given_budget(
     assert namespace.radix_cache_backend == "omni_attn"  # prefix reuse is on by default
 
 
+@pytest.mark.parametrize(("searched_for", "flag", "balanced_for"),
+                         [(None, None, 2048), (8192, None, 8192), (8192, 4096, 4096)])
+def test_the_pools_are_balanced_for_the_patterns_context_unless_the_flag_says(
+    tiny_models: dict[str, Path], tmp_path: Path, searched_for: int | None, flag: int | None,
+    balanced_for: int,
+) -> None:
+    from transformers import AutoConfig
+
+    from omniinfer.attn import runtime_window as rw
+    from omniinfer.flags import OmniConfig
+    from omniinfer.sglang_plugin.omni_attn.plugin import prepare_namespace
+
+    model = tiny_models["llama"]
+    layers = AutoConfig.from_pretrained(model).num_hidden_layers
+    path = _pattern(model, tmp_path / "p.json", [0])
+    if searched_for is not None:
+        made = json.loads(path.read_text())
+        made["provenance"]["context"] = searched_for
+        path.write_text(json.dumps(made))
+    namespace = _plain_namespace(model, max_total_tokens=32768)
+    prepare_namespace(namespace, OmniConfig(omni_attn_pattern=str(path), omni_attn_context=flag))
+    expected = rw.balanced_swa_ratio(32768, layers, 1, 4, 8, context=balanced_for,
+                                     prefill_chunk=512)
+    assert namespace.swa_full_tokens_ratio == expected
+    if balanced_for != 2048:  # the context changes the split, so the test can tell them apart
+        assert expected != rw.balanced_swa_ratio(32768, layers, 1, 4, 8, prefill_chunk=512)
+
+
 def _plain_namespace(model: Path, **extra: object) -> object:
     import argparse
 

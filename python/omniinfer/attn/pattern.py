@@ -68,6 +68,13 @@ class Pattern:
             len(self.compressed_layers), self.num_layers, self.sink, self.recent, context
         )
 
+    @property
+    def serving_context(self) -> int | None:
+        """The request length the pattern was searched for (its provenance's ``context``), the
+        length a server balances its two KV pools for; None when the file does not say."""
+        context = self.provenance.get("context")
+        return context if _is_int(context) and context > 0 else None
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT,

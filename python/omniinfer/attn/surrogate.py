@@ -104,3 +104,17 @@ def propose(model: AdditiveModel, size: int, avoid: Collection[Genome] = (),
         if genome not in seen:
             return genome
     return None
+
+
+def propose_several(model: AdditiveModel, size: int, count: int,
+                    avoid: Collection[Genome] = (), seed: int = 0) -> list[Genome]:
+    """Up to ``count`` distinct proposals of ``size`` layers, none in ``avoid``, each the best
+    predicted pattern not proposed before it (so the list is in predicted order). Used to seed a
+    search at one context with what a search at another context measured."""
+    proposals: list[Genome] = []
+    for step in range(count):
+        genome = propose(model, size, avoid=[*avoid, *proposals], seed=seed + step)
+        if genome is None:
+            break
+        proposals.append(genome)
+    return proposals

@@ -99,6 +99,13 @@ def load_for_model(path: str, model_path: str) -> Pattern:
     return pattern
 
 
+def balance_context(pattern: Pattern, config: OmniConfig) -> int:
+    """The request length the pools are balanced for: ``--omni-attn-context``, else the
+    pattern's own serving context, else :data:`runtime_window.DEFAULT_CONTEXT`."""
+    return (config.omni_attn_context or pattern.serving_context
+            or runtime_window.DEFAULT_CONTEXT)
+
+
 def prepare_namespace(namespace: argparse.Namespace, config: OmniConfig) -> Pattern:
     """Turn the pattern into SGLang's hybrid-SWA settings before ServerArgs is built."""
     assert config.omni_attn_pattern is not None
@@ -146,10 +153,12 @@ def prepare_namespace(namespace: argparse.Namespace, config: OmniConfig) -> Patt
         namespace.swa_full_tokens_ratio = (
             runtime_window.balanced_swa_ratio(
                 budget, pattern.num_layers, len(pattern.compressed_layers), pattern.sink,
-                pattern.recent, prefill_chunk=getattr(namespace, "chunked_prefill_size", None),
+                pattern.recent, context=balance_context(pattern, config),
+                prefill_chunk=getattr(namespace, "chunked_prefill_size", None),
             )
             if budget
-            else runtime_window.default_swa_ratio(pattern.sink, pattern.recent)
+            else runtime_window.default_swa_ratio(
+                pattern.sink, pattern.recent, context=balance_context(pattern, config))
         )
     # SGLang frees window slots in batches of this many tokens (its default is 128).
     os.environ.setdefault(EVICTION_INTERVAL_ENV, str(runtime_window.EVICTION_INTERVAL))
