@@ -1,6 +1,7 @@
 """Judge layer patterns on texts: the relative perplexity increase per text, ± standard error.
 
-A pattern file (``--patterns``, comma list of paths) or ``first-K`` (the first K layers) is
+A pattern file (``--patterns``, comma list of paths), ``first-K`` (the first K layers) or
+``layers:A+B+...`` (those layer ids, e.g. a shipped pattern with some layers taken out) is
 scored on whole texts (``--texts``, shipped names) at one context, several windows each, by the
 masked evaluator on the real model, beside the pattern's KV saving at that context. Use it on
 kinds of text a search never read. Prints a table and writes ``--out`` (JSON); every score is
@@ -22,7 +23,7 @@ from tqdm import tqdm
 
 from omniinfer.attn import evaluator, pattern, text
 from omniinfer.attn.baselines import first_k
-from omniinfer.attn.objective import Genome
+from omniinfer.attn.objective import Genome, from_layers
 
 HERE = Path(__file__).resolve().parent
 
@@ -44,9 +45,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resolve(spec: str, num_layers: int) -> tuple[Genome, pattern.Pattern | None]:
-    """``first-K`` or a pattern file: the genome and the loaded pattern (None for first-K)."""
+    """``first-K``, ``layers:A+B+...`` or a pattern file: the genome and the loaded pattern
+    (None unless a file)."""
     if spec.startswith("first-"):
         return first_k(int(spec.removeprefix("first-")), num_layers), None
+    if spec.startswith("layers:"):
+        try:
+            layers = [int(i) for i in spec.removeprefix("layers:").split("+")]
+        except ValueError:
+            raise SystemExit(f"{spec}: layer ids must be integers joined by '+'") from None
+        if not layers or any(not 0 <= i < num_layers for i in layers):
+            raise SystemExit(f"{spec}: layer ids must lie in 0..{num_layers - 1}")
+        return from_layers(layers, num_layers), None
     loaded = pattern.load(Path(spec))
     return loaded.mask, loaded
 
@@ -84,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         genome = patterns[spec][0]
         cells = "".join(f" {record['texts'][n]['drop'] * 100:>+7.2f}±"
                         f"{record['texts'][n]['drop_stderr'] * 100:.2f}" for n in texts)
-        print(f"{Path(spec).name:<44} {sum(genome):>3} {record['kv_saved_fraction'] * 100:>6.1f}%"
+        print(f"{Path(spec).name[:44]:<44} {sum(genome):>3} {record['kv_saved_fraction'] * 100:>6.1f}%"
               + cells)
     result = {"model": args.model.name, "context": args.context, "sink": sink, "recent": recent,
               "windows_per_text": args.windows, "texts": texts, "max_drop": args.max_drop,
