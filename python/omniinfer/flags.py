@@ -134,8 +134,8 @@ OMNI_FLAGS: tuple[OmniFlag, ...] = (
         int,
         None,
         "OmniAttn: the request length (prompt + output tokens) the full and compressed KV pools "
-        "are balanced for when --max-total-tokens is given; default: the context the pattern "
-        "was searched for (its file says), else 2048.",
+        "are sized for (exactly with --max-total-tokens, with a fixed headroom without it); "
+        "default: the context the pattern was searched for (its file says), else 2048.",
         _at_least(1),
     ),
     OmniFlag(
