@@ -150,15 +150,15 @@ def prepare_namespace(namespace: argparse.Namespace, config: OmniConfig) -> Patt
         and getattr(namespace, "max_running_requests", None) is None
     ):
         budget = getattr(namespace, "max_total_tokens", None)
+        context = balance_context(pattern, config)
         namespace.swa_full_tokens_ratio = (
             runtime_window.balanced_swa_ratio(
                 budget, pattern.num_layers, len(pattern.compressed_layers), pattern.sink,
-                pattern.recent, context=balance_context(pattern, config),
+                pattern.recent, context=context,
                 prefill_chunk=getattr(namespace, "chunked_prefill_size", None),
             )
             if budget
-            else runtime_window.default_swa_ratio(
-                pattern.sink, pattern.recent, context=balance_context(pattern, config))
+            else runtime_window.default_swa_ratio(pattern.sink, pattern.recent, context=context)
         )
     # SGLang frees window slots in batches of this many tokens (its default is 128).
     os.environ.setdefault(EVICTION_INTERVAL_ENV, str(runtime_window.EVICTION_INTERVAL))
