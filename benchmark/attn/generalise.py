@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "*.json, same search texts): an additive model fitted on it proposes "
                         "--transfer-seeds patterns of --layers for the GA's first generation")
     p.add_argument("--transfer-seeds", type=int, default=3)
+    p.add_argument("--seed-patterns", default="",
+                   help="pattern files (comma list) whose layers join the GA's first generation, "
+                        "e.g. the pattern shipped before; each must compress --layers layers")
     p.add_argument("--previous", type=Path, default=None,
                    help="a pattern file to report as well (e.g. the one shipped before)")
     p.add_argument("--long", default="4096:3,8192:2",
@@ -125,6 +128,17 @@ def transfer_seeds(cache: Path, texts: list[str], size: int, count: int, ridge: 
         raise SystemExit(f"{cache} does not hold scores on the search texts {texts}")
     model = surrogate.fit(scored, ridge)
     return [to_bits(g) for g in surrogate.propose_several(model, size, count, seed=seed)]
+
+
+def pattern_seeds(spec: str, size: int, num_layers: int) -> list[str]:
+    """Bit strings of the pattern files in ``spec`` (comma list), each of ``size`` layers."""
+    seeds = []
+    for path in (Path(p) for p in spec.split(",") if p):
+        layers = json.loads(path.read_text(encoding="utf-8"))["compressed_layers"]
+        if len(layers) != size:
+            raise SystemExit(f"{path}: compresses {len(layers)} layers; the search holds {size}")
+        seeds.append(to_bits(from_layers(layers, num_layers)))
+    return seeds
 
 
 def names(spec: str) -> list[str]:
@@ -189,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.transfer is not None:
         seed_bits += transfer_seeds(args.transfer, search_texts, args.layers,
                                     args.transfer_seeds, args.ridge, args.seed)
+    seed_bits += pattern_seeds(args.seed_patterns, args.layers, num_layers)
     settings = SearchSettings(
         max_drop=args.max_drop, budget=args.budget, methods=(GA,),
         ga=GAConfig(population=args.population, generations=10_000, seed=args.seed,

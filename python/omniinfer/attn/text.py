@@ -1,11 +1,11 @@
-"""Evaluation text: the public-domain texts shipped in ``omniinfer.data``, cut into windows.
+"""Evaluation text: the texts shipped in ``omniinfer.data``, cut into windows.
 
 The texts are of different kinds (verse, drama, a report, a novel, C headers with their API
-documentation, scripture, legal prose, questions with worked answers; sources and licences in
-``data/text/SOURCES.md``) because a pattern scored on one kind overfits it. Each text is split
-once into two halves by characters: a search scores patterns on the first half only and the
-evaluation reports on the second (held out); texts a search never used at all are the real test
-of a pattern.
+documentation, scripture, legal prose, questions with worked answers, technical prose, a
+glossary; public domain or freely licensed, sources and licences in ``data/text/SOURCES.md``)
+because a pattern scored on one kind overfits it. Each text is split once into two halves by
+characters: a search scores patterns on the first half only and the evaluation reports on the
+second (held out); texts a search never used at all are the real test of a pattern.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ SHIPPED: dict[str, tuple[str, str | None]] = {
     "kjv_exodus": ("kjv_exodus.txt", None),  # scripture (King James Version, Exodus 1-30)
     "licences": ("licences.txt", None),  # legal prose (GPL 3 and 2, LGPL 2.1, MPL 2, Apache 2)
     "gsm8k_qa": ("gsm8k_qa.txt", None),  # questions and worked answers (GSM8K test, first 200)
+    "python_datamodel": ("python_datamodel.txt", None),  # technical prose (Python reference)
+    "python_glossary": ("python_glossary.txt", None),  # a list: terms and their definitions
 }
 PARTS = ("search", "heldout", "all")
 
