@@ -128,3 +128,16 @@ def test_serving_context_is_read_only_when_it_is_a_positive_integer() -> None:
     assert _pattern(provenance={"context": 8192}).serving_context == 8192
     for bad in ({}, {"context": "8192"}, {"context": 0}, {"context": True}):
         assert _pattern(provenance=bad).serving_context is None
+
+
+def test_the_strict_2k_pattern_is_the_2k_pattern_less_layers_and_within_the_bound_it_claims() -> None:
+    """``smollm2-135m-2k-25.json`` is shipped as the largest saving measured within 1 % on every
+    judged text at 2K: its file must say so, and it must keep a subset of the 2K file's layers
+    (same sink and window), so a server may move between the two without other changes."""
+    folder = Path(pattern.__file__).parent / "patterns"
+    strict, full = (pattern.load(folder / name) for name in
+                    ("smollm2-135m-2k-25.json", "smollm2-135m.json"))
+    assert set(strict.compressed_layers) < set(full.compressed_layers)
+    assert (strict.sink, strict.recent) == (full.sink, full.recent)
+    drops = strict.provenance["unseen_drops"]
+    assert len(drops) >= 8 and max(drops.values()) <= 0.01
