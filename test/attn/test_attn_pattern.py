@@ -130,14 +130,19 @@ def test_serving_context_is_read_only_when_it_is_a_positive_integer() -> None:
         assert _pattern(provenance=bad).serving_context is None
 
 
-def test_the_strict_2k_pattern_is_the_2k_pattern_less_layers_and_within_the_bound_it_claims() -> None:
-    """``smollm2-135m-2k-25.json`` is shipped as the largest saving measured within 1 % on every
-    judged text at 2K: its file must say so, and it must keep a subset of the 2K file's layers
-    (same sink and window), so a server may move between the two without other changes."""
+@pytest.mark.parametrize("strict_name, full_name", [
+    ("smollm2-135m-2k-25.json", "smollm2-135m.json"),
+    ("smollm2-135m-4k-30.json", "smollm2-135m-4k.json"),
+])
+def test_a_strict_pattern_is_its_full_pattern_less_layers_within_the_bound_it_claims(
+        strict_name: str, full_name: str) -> None:
+    """The strict files ship as the largest saving measured within 1 % on every judged text at
+    their context: each must say so, and keep a subset of its full file's layers with the same
+    sink, window and context, so a server may move between the two without other changes."""
     folder = Path(pattern.__file__).parent / "patterns"
-    strict, full = (pattern.load(folder / name) for name in
-                    ("smollm2-135m-2k-25.json", "smollm2-135m.json"))
+    strict, full = pattern.load(folder / strict_name), pattern.load(folder / full_name)
     assert set(strict.compressed_layers) < set(full.compressed_layers)
     assert (strict.sink, strict.recent) == (full.sink, full.recent)
+    assert strict.serving_context == full.serving_context
     drops = strict.provenance["unseen_drops"]
     assert len(drops) >= 8 and max(drops.values()) <= 0.01
