@@ -27,16 +27,15 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from omniinfer.bench.workloads import WorkloadSpec, paper
+from oas_eval import paper_spec  # same folder: the workload a run drew
 
-VOCAB = 128000  # oas_eval.py's vocabulary for generated prompts
+from omniinfer.bench.workloads import paper
 
 
 def opening_prompts(meta: dict[str, Any], concurrency: int) -> list[int]:
     """Prompt lengths of the requests the run's clients start together, as oas_eval builds them."""
     total = meta["num_requests"] + meta["requests_per_client"] * concurrency
-    spec = WorkloadSpec(num_requests=total, seed=meta["seed"], vocab_size=VOCAB,
-                        output_scale=meta["output_scale"], max_total_len=8000)
+    spec = paper_spec(total, meta["seed"], meta["output_scale"])
     return [r.prompt_tokens for r in paper(spec)[:concurrency]]
 
 

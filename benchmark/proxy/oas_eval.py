@@ -231,10 +231,15 @@ def run_target(target: Target, cluster: EmulatedCluster, workloads: list[dict[st
     return rows
 
 
+def paper_spec(num_requests: int, seed: int, output_scale: float) -> WorkloadSpec:
+    """The paper mix as every run here draws it (headroom.py redraws a run's prompts with it)."""
+    return WorkloadSpec(num_requests=num_requests, seed=seed, vocab_size=VOCAB,
+                        output_scale=output_scale, max_total_len=8000)
+
+
 def build_workloads(args: argparse.Namespace, concurrency: list[int],
                     open_qpm: float | None = None) -> list[dict[str, Any]]:
-    spec = WorkloadSpec(num_requests=args.num_requests, seed=args.seed, vocab_size=VOCAB,
-                        output_scale=args.output_scale, max_total_len=8000)
+    spec = paper_spec(args.num_requests, args.seed, args.output_scale)
     reqs = paper(dataclasses.replace(spec, num_requests=args.num_requests
                                      + args.requests_per_client * max(concurrency)))
     # more clients need more requests, or the run is one burst and its drain
