@@ -30,6 +30,7 @@ from omniinfer.attn.ga import GAConfig
 from omniinfer.attn.objective import Genome, from_bits, from_layers, to_bits
 from omniinfer.attn.pattern import from_layers as pattern_from_layers
 from omniinfer.attn.pattern import kv_saved_fraction
+from omniinfer.attn.pattern import load as load_pattern
 from omniinfer.attn.search import GA, MetricsCache, SearchSettings, run_search, summary
 
 HERE = Path(__file__).resolve().parent
@@ -134,7 +135,7 @@ def pattern_seeds(spec: str, size: int, num_layers: int) -> list[str]:
     """Bit strings of the pattern files in ``spec`` (comma list), each of ``size`` layers."""
     seeds = []
     for path in (Path(p) for p in spec.split(",") if p):
-        layers = json.loads(path.read_text(encoding="utf-8"))["compressed_layers"]
+        layers = load_pattern(path).compressed_layers
         if len(layers) != size:
             raise SystemExit(f"{path}: compresses {len(layers)} layers; the search holds {size}")
         seeds.append(to_bits(from_layers(layers, num_layers)))

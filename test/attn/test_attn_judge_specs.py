@@ -45,11 +45,11 @@ def test_transfer_seeds_prefer_the_layers_another_search_found_cheap(tmp_path: P
         generalise.transfer_seeds(cache, ["a", "c"], 5, 2, 0.3, 0)
 
 
-def test_pattern_seeds_are_the_files_layers_and_a_wrong_size_is_refused(tmp_path: Path) -> None:
-    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
-    good.write_text(json.dumps({"compressed_layers": [0, 2, 5]}))
-    bad.write_text(json.dumps({"compressed_layers": [0, 2]}))
-    assert generalise.pattern_seeds(f"{good},", 3, 8) == ["10100100"]
-    assert generalise.pattern_seeds("", 3, 8) == []
-    with pytest.raises(SystemExit, match="compresses 2 layers; the search holds 3"):
-        generalise.pattern_seeds(f"{good},{bad}", 3, 8)
+def test_pattern_seeds_are_the_files_layers_and_a_wrong_size_is_refused() -> None:
+    folder = Path(generalise.__file__).resolve().parents[2] / "python/omniinfer/attn/patterns"
+    full, strict = folder / "smollm2-135m.json", folder / "smollm2-135m-2k-25.json"
+    layers = json.loads(full.read_text())["compressed_layers"]
+    assert generalise.pattern_seeds(f"{full},", 16, 30) == [to_bits(from_layers(layers, 30))]
+    assert generalise.pattern_seeds("", 16, 30) == []
+    with pytest.raises(SystemExit, match="compresses 10 layers; the search holds 16"):
+        generalise.pattern_seeds(f"{full},{strict}", 16, 30)
