@@ -34,6 +34,8 @@ from omniinfer.attn.pattern import load as load_pattern
 from omniinfer.attn.search import GA, MetricsCache, SearchSettings, run_search, summary
 
 HERE = Path(__file__).resolve().parent
+# The uncompressed model's scores per window set, kept between runs (not part of the results).
+REFERENCE_DIR = HERE.parents[1] / ".cache" / "attn-reference"
 SEARCH_TEXTS = "paradise_lost,tinyshakespeare,lcet10,sqlite3_h"  # verse, drama, report, code
 UNSEEN_TEXTS = "alice,asyoulik,stb_truetype_h"  # novel, another play, another C header
 
@@ -79,6 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "another job holds a core, since the threads wait for each other")
     p.add_argument("--long-patterns", default="ga",
                    help="which of the reported patterns get the long-context check")
+    p.add_argument("--reference-dir", type=Path, default=REFERENCE_DIR,
+                   help="where the uncompressed model's scores per window set are kept")
     p.add_argument("--out", type=Path, default=HERE / "results" / "generalise")
     p.add_argument("--write-pattern", type=Path, default=None)
     return p.parse_args(argv)
@@ -184,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def evaluator_for(texts: list[str], which: str, context: int, count: int) -> Any:
         return lambda: evaluator.TextSetEvaluator(
-            model, windows_of(tokenizer, texts, which, context, count), args.sink, args.recent
+            model, windows_of(tokenizer, texts, which, context, count), args.sink, args.recent,
+            args.reference_dir,
         )
 
     def scores(texts: list[str], which: str, context: int, count: int) -> MetricsCache:

@@ -18,7 +18,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from generalise import lazy_scores, windows_of  # same folder: the search's cached scoring
+# same folder: the search's cached scoring
+from generalise import REFERENCE_DIR, lazy_scores, windows_of
 from tqdm import tqdm
 
 from omniinfer.attn import evaluator, pattern, text
@@ -40,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recent", type=int, default=None, help="default: the first pattern file's")
     p.add_argument("--max-drop", type=float, default=0.01, help="the bound reported against")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--reference-dir", type=Path, default=REFERENCE_DIR,
+                   help="where the uncompressed model's scores per window set are kept")
     p.add_argument("--out", type=Path, default=HERE / "results" / "judge.json")
     return p.parse_args(argv)
 
@@ -84,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         f"-recent{recent}.json")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     cache = lazy_scores(cache_path, lambda: evaluator.TextSetEvaluator(
-        model, windows_of(tokenizer, texts, "all", args.context, args.windows), sink, recent))
+        model, windows_of(tokenizer, texts, "all", args.context, args.windows), sink, recent,
+        args.reference_dir))
     rows = {spec: cache.get(genome) for spec, (genome, _) in
             tqdm(patterns.items(), desc="patterns", unit="pattern")}
     print(f"context {args.context}, sink {sink} + recent {recent}, {args.windows} windows per "

@@ -49,7 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cases-per-depth", default="2,2,1",
                    help="cases per depth for each context (comma list, one per --contexts, or "
                    "one for all): an 8K forward pass takes about a minute on two cores")
-    p.add_argument("--haystack", default="tinyshakespeare", help="shipped text (held-out half)")
+    p.add_argument("--haystack", default="tinyshakespeare",
+                   help=f"shipped text (its held-out half), or '{passkey.REPEATED_FILLER}': the "
+                   "classic filler of a few sentences repeated")
     p.add_argument("--server-context", type=int, default=2048,
                    help="context whose cases also go through a real patterned server; 0 skips")
     p.add_argument("--seed", type=int, default=0)
@@ -152,7 +154,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     patterns = [load(p, config=config, model_id=str(args.model)) for p in args.pattern]
     names = [p.stem for p in args.pattern]
     model, tokenizer = evaluator.load_model(args.model)
-    haystack = text.part(text.read(args.haystack), "heldout")
+    if args.haystack == passkey.REPEATED_FILLER:
+        longest = sum(len(args.depths) * args.cases_per_depth[c] * c for c in args.contexts)
+        haystack, described = passkey.repeated_filler(longest), "a few sentences repeated"
+    else:
+        haystack = text.part(text.read(args.haystack), "heldout")
+        described = f"{args.haystack} (held-out half)"
     windows = conditions(patterns, names)
     results: dict[str, dict[str, Any]] = {}
     all_cases: dict[int, list[passkey.PasskeyCase]] = {}
@@ -172,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results[str(context)][name] = summarise(cases, passed)
     bar.close()
     report: dict[str, Any] = {
-        "model": args.model.name, "haystack": f"{args.haystack} (held-out half)",
+        "model": args.model.name, "haystack": described,
         "patterns": {n: {"layers": list(p.compressed_layers), "sink": p.sink,
                          "recent": p.recent,
                          "kv_saved": {str(c): p.kv_saved_fraction(c) for c in args.contexts}}

@@ -45,3 +45,26 @@ def test_text_set_is_judged_by_its_worst_text(tiny_models: dict[str, Path]) -> N
     assert record["tokens"] == sum(m.tokens for m in alone.values())
     with pytest.raises(ValueError, match="no texts"):
         evaluator.TextSetEvaluator(model, {}, sink=4, recent=16)
+
+
+def test_reference_pass_is_kept_on_disk_and_reused(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, _ = evaluator.load_model(tiny_models["llama"])
+    vocab = int(model.config.vocab_size)
+    windows = [[(3 * i + 5) % vocab for i in range(80)]]
+    first = evaluator.Evaluator(model, windows, 4, 16, reference_dir=tmp_path)
+    assert len(list(tmp_path.glob("reference-*.pt"))) == 1
+    fresh = evaluator.Evaluator(model, windows, 4, 16).evaluate((True, False))
+    calls: list[int] = []
+    real = evaluator.score_windows
+    monkeypatch.setattr(evaluator, "score_windows",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = evaluator.Evaluator(model, windows, 4, 16, reference_dir=tmp_path)
+    assert calls == []  # the reference came from disk
+    assert again.evaluate((True, False)).drop == pytest.approx(fresh.drop, abs=1e-9)
+    assert first.evaluate((True, False)).drop == pytest.approx(fresh.drop, abs=1e-9)
+    evaluator.Evaluator(model, windows, 8, 16, reference_dir=tmp_path)  # another start
+    other = [[(5 * i + 2) % vocab for i in range(80)]]
+    evaluator.Evaluator(model, other, 4, 16, reference_dir=tmp_path)  # other tokens
+    assert len(list(tmp_path.glob("reference-*.pt"))) == 3

@@ -5,11 +5,14 @@ decoder that evicted the other tokens' KV sees (``test/attn`` proves it against 
 so one pass over a long window scores every position at once. The uncompressed model's
 per-token losses and next-token choices are computed once and cached; each pattern then costs
 one forward pass per window. Only positions t >= sink + recent are scored: before that no
-token has been evicted and every pattern equals the full model.
+token has been evicted and every pattern equals the full model. With ``reference_dir`` the
+uncompressed pass is also kept on disk, keyed by the model, the window tokens and the first
+scored position, so a later run on the same windows skips it (at 8K it costs a pattern's time).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Sequence
@@ -102,6 +105,28 @@ def compare(reference: list[WindowScores], scored: list[WindowScores]) -> dict[s
     }
 
 
+def cached_reference(
+    model: Any, windows: Sequence[Sequence[int]], start: int, reference_dir: Path | None
+) -> list[WindowScores]:
+    """The uncompressed model's scores on ``windows`` from ``start``, read from or written to
+    ``reference_dir`` when given (a file per model, windows and start; nothing else in it)."""
+    if reference_dir is None:
+        return score_windows(model, windows, start, None)
+    key = hashlib.sha1(f"{model.config.name_or_path}|{start}|".encode())
+    for ids in windows:
+        key.update(torch.tensor(list(ids), dtype=torch.int64).numpy().tobytes() + b"|")
+    path = Path(reference_dir) / f"reference-{key.hexdigest()[:16]}.pt"
+    if path.exists():
+        saved = torch.load(path)
+        return [WindowScores(nll, choice) for nll, choice in saved]
+    reference = score_windows(model, windows, start, None)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    torch.save([(r.nll, r.choice) for r in reference], partial)
+    partial.replace(path)
+    return reference
+
+
 class Evaluator:
     """Scores patterns (per-layer compressed flags) on fixed windows against the full model."""
 
@@ -111,6 +136,7 @@ class Evaluator:
         windows: Sequence[Sequence[int]],
         sink: int,
         recent: int,
+        reference_dir: Path | None = None,
     ) -> None:
         lengths = {len(w) for w in windows}
         if not windows or len(lengths) != 1 or lengths.pop() <= sink + recent + 1:
@@ -120,7 +146,7 @@ class Evaluator:
         self.sink, self.recent = sink, recent
         self.num_layers = int(model.config.num_hidden_layers)
         self.context = len(self.windows[0])
-        self.reference = score_windows(model, self.windows, sink + recent, None)
+        self.reference = cached_reference(model, self.windows, sink + recent, reference_dir)
 
     def evaluate(self, compressed: Sequence[bool]) -> Metrics:
         if len(compressed) != self.num_layers:
@@ -147,11 +173,13 @@ class TextSetEvaluator:
     """
 
     def __init__(
-        self, model: Any, windows: dict[str, Sequence[Sequence[int]]], sink: int, recent: int
+        self, model: Any, windows: dict[str, Sequence[Sequence[int]]], sink: int, recent: int,
+        reference_dir: Path | None = None,
     ) -> None:
         if not windows:
             raise ValueError("no texts to score on")
-        self.texts = {name: Evaluator(model, w, sink, recent) for name, w in windows.items()}
+        self.texts = {name: Evaluator(model, w, sink, recent, reference_dir)
+                      for name, w in windows.items()}
         first = next(iter(self.texts.values()))
         self.num_layers, self.context = first.num_layers, first.context
         self.kv_saved_fraction = first.kv_saved_fraction
