@@ -26,8 +26,8 @@ NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 QUESTION = "\nWhat is the pass key? The pass key is"
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 # The classic passkey filler: a few bland sentences repeated, so that the key is the only thing
-# in the context worth remembering. A small model that cannot find a key in real prose at 4K or
-# 8K can still be asked to find it here, which is what lets the check compare patterns there.
+# in the context worth remembering. SmolLM2-135M, which rarely finds a key in real prose at 4K
+# and never at 8K, finds it here, so the check can compare patterns at those contexts.
 FILLER = ("The sky is clear and the wind is calm. The river runs past the old mill. "
           "The birds sing in the trees. Then the day goes on as before. ")
 REPEATED_FILLER = "repeat"
