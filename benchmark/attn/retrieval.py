@@ -155,8 +155,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     names = [p.stem for p in args.pattern]
     model, tokenizer = evaluator.load_model(args.model)
     if args.haystack == passkey.REPEATED_FILLER:
-        longest = sum(len(args.depths) * args.cases_per_depth[c] * c for c in args.contexts)
-        haystack, described = passkey.repeated_filler(longest), "a few sentences repeated"
+        # each context's cases read the haystack from its start: the largest of them bounds it
+        needed = max(len(args.depths) * args.cases_per_depth[c] * c for c in args.contexts)
+        haystack, described = passkey.repeated_filler(needed), "a few sentences repeated"
     else:
         haystack = text.part(text.read(args.haystack), "heldout")
         described = f"{args.haystack} (held-out half)"

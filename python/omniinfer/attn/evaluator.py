@@ -114,7 +114,7 @@ def cached_reference(
         return score_windows(model, windows, start, None)
     key = hashlib.sha1(f"{model.config.name_or_path}|{start}|".encode())
     for ids in windows:
-        key.update(torch.tensor(list(ids), dtype=torch.int64).numpy().tobytes() + b"|")
+        key.update((",".join(map(str, ids)) + "|").encode())
     path = Path(reference_dir) / f"reference-{key.hexdigest()[:16]}.pt"
     if path.exists():
         saved = torch.load(path)
