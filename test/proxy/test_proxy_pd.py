@@ -22,6 +22,7 @@ from proxy_helpers import get, post, sse_events, wait_until
 
 from omniinfer.emulator.process import EmulatorProcess
 from omniinfer.proxy.process import RouterProcess
+from omniinfer.proxy.request import PHASE_NAMES
 from omniinfer.proxy.workers import normalize_url
 
 MODEL = "SmolLM2-135M-Instruct"  # what the cpu-smollm2 profile serves
@@ -194,8 +195,7 @@ def test_pd_metrics_and_access_log(cluster: dict[str, Any]) -> None:
                                          "sampling_params": {"max_new_tokens": 3}})
     status, text = get(router.base_url + "/metrics")
     assert status == 200
-    for phase in ("tokenize", "apc_matching", "prefill_waiting", "prefill_scheduled",
-                  "prefill_running", "decode_running"):
+    for phase in PHASE_NAMES:  # every phase of a PD request (test_proxy_pd_lifecycle: in order)
         assert f'omniproxy_phase_duration_seconds_count{{phase="{phase}"}}' in text
     assert 'omniproxy_routing_decisions_total{policy="cache_aware"' in text
     assert 'policy="power_of_two",reason=' in text
@@ -212,7 +212,9 @@ def test_pd_metrics_and_access_log(cluster: dict[str, Any]) -> None:
     assert wait_until(lambda: logged() is not None, timeout=10.0, step=0.2)
     record = logged()
     assert record is not None
-    assert {"tokenize", "prefill_scheduled", "decode_running"} <= set(record["phases"])
+    assert set(record["phases"]) == set(PHASE_NAMES)
+    times = [record["phases"][name] for name in PHASE_NAMES]
+    assert times == sorted(times), record
     assert {d["role"] for d in record["decisions"]} == {"prefill", "decode"}
     assert record["ttft"] > 0 and record["bootstrap_room"] >= 0
 

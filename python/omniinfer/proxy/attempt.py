@@ -34,7 +34,7 @@ from aiohttp import web
 
 from omniinfer.proxy.auth import error_response
 from omniinfer.proxy.base import Decision, RouteRequest
-from omniinfer.proxy.request import Phase, Request
+from omniinfer.proxy.request import PD_PHASES, Phase, Request
 from omniinfer.proxy.upstream import UPSTREAM_PATHS, Passthrough, UpstreamFailure
 from omniinfer.proxy.workers import Role, Worker
 
@@ -144,6 +144,7 @@ class Strategy(abc.ABC):
     """What one mode does in an attempt; one instance per request.
 
     ``roles``: the roles decided per attempt, in order (a booking per role, same order).
+    ``phases``: the lifecycle phases of the mode (``request.py``), set on the request's clock.
     ``decide`` returns one decision per role, each worker among that role's candidates (all
     non-empty), or None; it uses ``decide_in_turn`` so that a set cut short is given back.
     ``cost``: the policy view and the tokens booked on a decided worker. ``extra``: fields added
@@ -152,9 +153,11 @@ class Strategy(abc.ABC):
     """
 
     roles: tuple[Role, ...] = ()
+    phases: tuple[Phase, ...] = PD_PHASES
 
     def __init__(self, router: Router, client: web.Request, request: Request) -> None:
         self.router, self.client, self.request = router, client, request
+        request.life.phases = self.phases
         self.path = UPSTREAM_PATHS[request.endpoint]
 
     @abc.abstractmethod

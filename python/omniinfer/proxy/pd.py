@@ -5,6 +5,13 @@ it comes. The prefill request runs as a task that holds the prefill booking unti
 may end after the decode answer); a prefill that fails fails the attempt. A prefill booking
 costs its uncached prompt tokens, a decode one the whole prompt plus the output budget. What
 an attempt aborts, retries and gives back is the attempt loop's (``attempt.py``).
+
+The PD phases after prefill_scheduled (``request.py``) come from the two workers' events, all
+marked here but the first token a stream sends the client (``upstream.pipe``): the prefill
+worker's response head (prefill_running) and its completed answer, the prefill done
+(decode_waiting); the decode worker's first output (decode_scheduled: a stream's first event, a
+non-streamed answer's head) and, non-streamed, that answer read whole (decode_running). The
+decode worker's stream head is no phase event: SGLang sends it at once, while the prefill runs.
 """
 
 from __future__ import annotations
@@ -86,13 +93,16 @@ class PD(Strategy):
         data = first
         if req.endpoint == "generate" and req.body.get("return_logprob"):
             data = await _merge_input_logprobs(prefill, data)
+        req.life.enter(Phase.DECODE_RUNNING)  # the whole answer is here (no first token to see)
         d.breaker.record_success()
         count_output(req, data)
         return web.Response(body=data, headers=req.headers,
                             content_type=resp.content_type or "application/json")
 
     async def _prefill(self, attempt: Attempt, worker: Worker) -> tuple[int, bytes]:
-        """The prefill request run to completion: (status, body); transport errors raise."""
+        """The prefill request run to completion: (status, body); transport errors raise. Its
+        response head enters prefill_running, its completed answer (prefill done) decode_waiting
+        (ignored when the decode's first output came first: that implied both)."""
         try:
             resp = await post(self.router, worker, self.path, attempt.payload, stream=False)
         except Passthrough as p:
@@ -108,11 +118,18 @@ class PD(Strategy):
         return 200, data
 
     async def _decode_open(self, d: Worker, payload: bytes) -> tuple[Response, bytes]:
-        """Decode response headers then its first chunk (stream) or whole body (non-stream)."""
-        resp = await post(self.router, d, self.path, payload, self.request.stream)
-        self.request.life.enter(Phase.DECODE_SCHEDULED)
-        if self.request.stream:
-            return resp, await first_chunk(self.router, resp, d)
+        """Decode response headers then its first chunk (stream) or whole body (non-stream).
+
+        The decode worker's first output enters decode_scheduled: a stream's first event (its
+        head comes at once, before the prefill is done), a non-streamed answer's head (sent with
+        the answer, once decoded)."""
+        req = self.request
+        resp = await post(self.router, d, self.path, payload, req.stream)
+        if req.stream:
+            first = await first_chunk(self.router, resp, d)
+            req.life.enter(Phase.DECODE_SCHEDULED)
+            return resp, first
+        req.life.enter(Phase.DECODE_SCHEDULED)
         return resp, await read_all(resp, d)
 
 

@@ -14,13 +14,17 @@ from aiohttp import web
 from omniinfer.proxy.accuracy import cached_tokens_in, reported_cached_tokens, reported_from_stream
 from omniinfer.proxy.attempt import Attempt, Strategy, decide_in_turn
 from omniinfer.proxy.base import Decision, RouteRequest
-from omniinfer.proxy.request import Phase
+from omniinfer.proxy.request import REGULAR_PHASES, Phase
 from omniinfer.proxy.upstream import count_output, first_chunk, pipe, post, read_all
 from omniinfer.proxy.workers import Role, Worker
 
 
 class Regular(Strategy):
+    """One worker per attempt; its response head starts prefill_running, a stream's first event
+    sent to the client decode_running (``REGULAR_PHASES``: no decode_waiting/scheduled)."""
+
     roles = (Role.REGULAR,)
+    phases = REGULAR_PHASES
 
     async def decide(self, candidates: dict[Role, list[Worker]]) -> list[Decision] | None:
         route = self.request.route

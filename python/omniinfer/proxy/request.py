@@ -5,18 +5,28 @@ the client sent it, the policy view (``RouteRequest``, what policies see), the r
 the current attempt, the ``Lifecycle`` (phase clock, read by /metrics) and, as typed fields, what
 the access log gets; ``access_record`` writes the access-log line from them.
 
-The eight request phases of the paper, each timestamped, as the router can observe them:
-  tokenize           request arrived → prompt tokenized
-  apc_matching       → prefix blocks hashed and matched against each worker's index
-  prefill_waiting    → admitted and a (prefill) worker picked (router queue + policy)
-  prefill_scheduled  → posted to the (prefill) worker, until its response headers
-  prefill_running    → the worker accepted it, until prefill is done (regular: first token;
-                       PD: the prefill response completed)
-  decode_waiting     PD: prefill done, the decode worker waits for the KV transfer
-  decode_scheduled   PD: decode worker answered headers after prefill finished
-  decode_running     first output token → last byte
-Phases are entered in order; a phase entered after a later one is ignored (in PD the two
-workers' events race), and a phase never entered has no duration.
+The eight request phases of the paper, each timestamped, as the router can observe them; each
+starts at the event named here (marked where that event happens, file in brackets):
+  tokenize           arrival (body read, then tokenized)                         [forward]
+  apc_matching       prompt tokenized; prefix blocks hashed and matched           [forward]
+  prefill_waiting    the request goes to admission and the (prefill) policy       [attempt]
+  prefill_scheduled  the attempt's first post went out                            [attempt]
+  prefill_running    the (prefill) worker's response head                         [regular/pd]
+  decode_waiting     PD: the prefill worker's answer completed: prefill done; the
+                     decode worker waits for the KV and a decode slot             [pd]
+  decode_scheduled   PD: the decode worker's first output reached the router (a
+                     stream's first event; a non-streamed answer's head)          [pd]
+  decode_running     first output token sent to the client (``token``: a stream's
+                     first event, which also times TTFT); PD non-streamed: the
+                     decode answer read whole, before it goes to the client       [upstream/pd]
+Regular mode goes through ``REGULAR_PHASES`` (no decode_waiting/decode_scheduled; a
+non-streamed answer shows no first token, so its prefill_running lasts to the end), PD through
+all eight. Phases are entered in order; a phase entered after a later one is ignored (in PD the
+two workers' events race: a prefill answer that comes after the decode's first output adds
+nothing). A phase entered implies the earlier phases of the mode: any not yet entered is entered
+at the same instant, with no duration (the decode's first output means the prefill was done;
+the decode's response head, which SGLang sends before its first event, is no such event). A phase
+never entered (a failed or refused request) has no duration.
 """
 
 from __future__ import annotations
@@ -42,14 +52,20 @@ class Phase(enum.IntEnum):
 
 
 PHASE_NAMES: tuple[str, ...] = tuple(p.name.lower() for p in Phase)
+PD_PHASES: tuple[Phase, ...] = tuple(Phase)
+REGULAR_PHASES: tuple[Phase, ...] = tuple(
+    p for p in Phase if p not in (Phase.DECODE_WAITING, Phase.DECODE_SCHEDULED))
 _NO_MARKS: tuple[None, ...] = (None,) * len(Phase)  # len(Phase) is a Python-level call
 
 
 class Lifecycle:
-    """Monotonic enter times of each phase plus first-token and finish times."""
+    """Monotonic enter times of each phase plus first-token and finish times.
+
+    ``phases``: the phases of the request's mode (``PD_PHASES`` until the mode's strategy sets
+    it); entering one enters the mode's earlier phases not yet entered at the same instant."""
 
     __slots__ = ("request_id", "arrival", "arrival_wall", "marks", "last", "first_token",
-                 "finished", "output_tokens")
+                 "finished", "output_tokens", "phases")
 
     def __init__(self, request_id: str, now: float | None = None) -> None:
         self.request_id = request_id
@@ -60,12 +76,25 @@ class Lifecycle:
         self.first_token: float | None = None
         self.finished: float | None = None
         self.output_tokens = 0
+        self.phases = PD_PHASES
 
     def enter(self, phase: Phase, now: float | None = None) -> bool:
-        """Mark ``phase`` entered; False (and no change) if a later phase was entered already."""
-        if phase <= self.last:
+        """Mark ``phase`` entered at ``now`` (never before the phase entered last); the mode's
+        phases between the last one entered and ``phase`` are entered at the same time. False
+        (and no change) if ``phase`` or a later phase was entered already."""
+        last = self.last
+        if phase <= last:
             return False
-        self.marks[phase] = time.perf_counter() if now is None else now
+        marks = self.marks
+        t = time.perf_counter() if now is None else now
+        before = marks[last] if last >= 0 else None
+        if before is not None and before > t:
+            t = before
+        if phase > last + 1:
+            for implied in self.phases:
+                if last < implied < phase:
+                    marks[implied] = t
+        marks[phase] = t
         self.last = int(phase)
         return True
 
