@@ -11,6 +11,10 @@ when one is set), so a router started with no flags cannot be reconfigured from 
 ``/metrics`` names the workers: it asks for a key whenever one is configured (the
 ``--prometheus-port`` listener stays open; bind it where scrapers are). ``--control-plane-audit-
 enabled`` logs one line per admin call (who, role, method, path, outcome).
+
+Worker info relayed to a client is redacted (``redact.py``): each request carries
+``FULL_VIEW``, true for who may read ``/list_workers`` (an admin key; anyone when no key is
+configured), false otherwise (a user key, ``--api-key``, an open route's anonymous caller).
 """
 
 from __future__ import annotations
@@ -33,6 +37,12 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_PATHS = frozenset({"/health", "/readiness", "/liveness", "/health_generate"})
 ADMIN_MUTATING = frozenset({"/add_worker", "/remove_worker", "/flush_cache"})
 ADMIN_READ = frozenset({"/list_workers"})
+FULL_VIEW = web.RequestKey("omniproxy_full_view", bool)
+
+
+def full_view(request: web.Request) -> bool:
+    """Whether the caller gets the full (admin) view of worker info; False when unset."""
+    return bool(request.get(FULL_VIEW, False))
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error",
@@ -77,6 +87,11 @@ class Guard:
         self.audit = audit
         # the data plane asks for a key once one meant for it exists (--api-key or a user key)
         self.data_keys = api_key is not None or any(p.role == "user" for p in self.keys.values())
+        self.open = api_key is None and not self.keys  # no key at all: everyone is trusted
+
+    def full_view(self, who: Principal | None) -> bool:
+        """An admin key, or anyone on a router with no key: the unredacted counts."""
+        return self.open or (who is not None and who.role == "admin")
 
     def identify(self, request: web.Request) -> Principal | None:
         """The caller's principal from ``Authorization: Bearer``; None if absent or unknown."""
@@ -123,6 +138,7 @@ class Guard:
         if denied is not None:
             self._audit(request, who, admin, denied.status)
             return denied
+        request[FULL_VIEW] = self.full_view(who)
         response = await handler(request)
         self._audit(request, who, admin, response.status)
         return response

@@ -29,6 +29,7 @@ from omniinfer.proxy.admission import Admission
 from omniinfer.proxy.base import Policy, PolicyContext, create_policy
 from omniinfer.proxy.circuit import CircuitBreaker
 from omniinfer.proxy.config import RouterConfig
+from omniinfer.proxy.control import IDENTITY, control_cap, read_capped, supervise
 from omniinfer.proxy.http1 import Http1Pool
 from omniinfer.proxy.kv_subscriber import CacheTruth, parse_endpoint_overrides
 from omniinfer.proxy.listener import Listener
@@ -79,6 +80,9 @@ class Router:
                                     config.access_log_backups) if config.access_log else None
         self.session_headers = ({"Authorization": f"Bearer {config.api_key}"}
                                 if config.api_key else {})
+        # control-plane calls: the key (accepted workers only) and the answer's bytes as sent
+        self.control_headers = {**IDENTITY, **self.session_headers}
+        self.control_cap = control_cap(config.max_response_size)  # bytes of one control answer
         # router rids: a per-process prefix and a counter, all of one length (see new_rids)
         self._rid_prefix = secrets.token_hex(6)
         self._rid_counter = 0
@@ -126,9 +130,11 @@ class Router:
         for url in set(self.cache_truth.explicit) - {w.url for w in self.pool.all()}:
             log.warning("--kv-events-endpoint names %s, which is no worker (yet)", url)
         if not self.config.disable_health_check:
-            self._loops.append(asyncio.create_task(self._health_loop()))
+            self._loops.append(asyncio.create_task(
+                supervise("health", self._health_loop, self.metrics.task_failed)))
         if self.config.loads_poll_interval_secs > 0:
-            self._loops.append(asyncio.create_task(self._loads_loop()))
+            self._loops.append(asyncio.create_task(
+                supervise("loads", self._loads_loop, self.metrics.task_failed)))
 
     async def _find_tokenizer(self) -> Tokenizer:
         """The configured tokenizer; else the one a worker reports in /model_info, if local."""
@@ -170,12 +176,23 @@ class Router:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- helpers used by the request flow ---------------------------------------------------
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        """A background task the router keeps a reference to until it ends."""
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task[Any]:
+        """A background task the router keeps a reference to until it ends. With a ``name``
+        (fire-and-forget: nobody awaits it) one that raises is logged with its traceback and
+        counted (``task_failures{task=name}``); without, its owner reads its outcome."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if name is not None:
+            task.add_done_callback(lambda done: self._task_done(done, name))
         return task
+
+    def _task_done(self, task: asyncio.Task[Any], name: str) -> None:
+        exc = None if task.cancelled() else task.exception()
+        if exc is None:
+            return
+        log.error("background task %s failed", name, exc_info=(type(exc), exc, exc.__traceback__))
+        self.metrics.task_failed(name)
 
     def new_request_id(self) -> str:
         """The router's own id of a request (policies and the access log): unique per process,
@@ -231,28 +248,29 @@ class Router:
         targets = rids if len(rids) == 1 else [rids[0].rsplit("-", 1)[0]]
         for rid in targets:
             self.metrics.aborts.labels(worker.role.value, cause).inc()
-            self.spawn(self._post_abort(worker, rid))
+            self.spawn(self._post_abort(worker, rid), "abort")
 
     async def _post_abort(self, worker: Worker, rid: str) -> None:
         assert self.session is not None
         try:
             async with self.session.post(
                     worker.url + "/abort_request", data=orjson.dumps({"rid": rid}),
-                    headers={**JSON_HEADERS, **self.session_headers},
+                    headers={**JSON_HEADERS, **self.control_headers},
                     timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
-                await resp.read()
+                await read_capped(resp, self.control_cap)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             log.info("abort %s at %s failed: %s", rid, worker.url, exc)
 
     async def get_json(self, worker: Worker, path: str, timeout: float) -> Any:
-        """GET ``path`` and decode JSON; None on any failure."""
+        """GET ``path`` and decode JSON; None on any failure (an answer over the control cap
+        included)."""
         assert self.session is not None
         try:
-            async with self.session.get(worker.url + path, headers=self.session_headers,
+            async with self.session.get(worker.url + path, headers=self.control_headers,
                                         timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 if resp.status != 200:
                     return None
-                return orjson.loads(await resp.read())
+                return orjson.loads(await read_capped(resp, self.control_cap))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, orjson.JSONDecodeError):
             return None
 
@@ -263,10 +281,10 @@ class Router:
         try:
             async with self.session.get(
                     worker.url + self.config.health_check_endpoint,
-                    headers=self.session_headers if accepted else None,
+                    headers=self.control_headers if accepted else IDENTITY,
                     timeout=aiohttp.ClientTimeout(total=self.config.health_check_timeout_secs)
             ) as resp:
-                await resp.read()
+                await read_capped(resp, self.control_cap)
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
@@ -285,10 +303,10 @@ class Router:
                 if not initial:
                     log.warning("worker re-admitted: %s", worker.url)
                     if self.cache_truth.enabled and not self.cache_truth.follows(worker):
-                        self.spawn(self.cache_truth.attach(worker))
+                        self.spawn(self.cache_truth.attach(worker), "cache_truth_attach")
                     if not self.load_feeds.live(worker):  # it may publish elsewhere now
                         self.load_feeds.detach(worker)
-                        self.spawn(self.load_feeds.attach(worker))
+                        self.spawn(self.load_feeds.attach(worker), "load_feed_attach")
         else:
             worker.health_successes = 0
             worker.health_failures += 1
@@ -334,18 +352,24 @@ class Router:
             return
         policy = self.policies.get(worker.role)
         if policy is not None:
-            policy.on_loads(worker)
+            try:
+                policy.on_loads(worker)
+            except Exception:  # noqa: BLE001 - one worker's loads must not stop the others'
+                log.exception("policy %s failed on the loads of %s", policy.name, worker.url)
+                self.metrics.task_failed("on_loads")
 
     async def _poll_one(self, worker: Worker) -> Any:
         assert self.session is not None
         try:
             async with self.session.get(worker.url + "/v1/loads?include=core",
-                                        headers=self.session_headers,
+                                        headers=self.control_headers,
                                         timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
                 if resp.status == 404:
                     worker.loads_supported = False
                     return None
-                return orjson.loads(await resp.read()) if resp.status == 200 else None
+                if resp.status != 200:
+                    return None
+                return orjson.loads(await read_capped(resp, self.control_cap))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, orjson.JSONDecodeError):
             return None
 
@@ -392,9 +416,9 @@ class Router:
         async def one(worker: Worker) -> int | str:
             try:
                 async with self.session.post(worker.url + "/flush_cache",  # type: ignore[union-attr]
-                                             headers=self.session_headers,
+                                             headers=self.control_headers,
                                              timeout=aiohttp.ClientTimeout(total=30.0)) as resp:
-                    await resp.read()
+                    await read_capped(resp, self.control_cap)
                     return resp.status
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 return f"error: {exc.__class__.__name__}"

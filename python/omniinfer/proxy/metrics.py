@@ -171,12 +171,16 @@ class ProxyMetrics:
         self.cache_reported_tokens = FastCounter(
             "omniproxy_cache_reported_tokens", "sum of cached tokens the workers reported",
             ["cache_truth"])
+        # a background loop or task that raised (it was logged and restarted)
+        self.task_failures = FastCounter(
+            "omniproxy_background_task_failures", "background tasks that raised (logged with "
+            "the traceback; a loop is restarted)", ["task"])
         self.predictions: dict[str, Tally] = {}
         self._error_series: set[tuple[str, str, str]] = set()
         for collector in (self.requests, self.phase, self.ttft, self.tpot, self.e2e,
                           self.decisions, self.cache_prediction, self.cache_prediction_unreported,
                           self.cache_prediction_error, self.cache_predicted_tokens,
-                          self.cache_reported_tokens):
+                          self.cache_reported_tokens, self.task_failures):
             r.register(collector)
         r.register(WorkerCollector(pool))
 
@@ -184,12 +188,17 @@ class ProxyMetrics:
         """Labelled series of the per-request families (bounded label sets)."""
         return sum(len(c.values) for c in (
             self.requests, self.decisions, self.cache_prediction, self.cache_prediction_unreported,
-            self.cache_prediction_error, self.cache_predicted_tokens, self.cache_reported_tokens)
+            self.cache_prediction_error, self.cache_predicted_tokens, self.cache_reported_tokens,
+            self.task_failures)
         ) + sum(len(h.series) for h in (self.phase, self.ttft, self.tpot, self.e2e)) + len(
             self._error_series)
 
     def decision(self, policy: str, role: str, reason: str) -> None:
         self.decisions.inc((policy, role, reason))
+
+    def task_failed(self, task: str) -> None:
+        """A background task named ``task`` raised (a fixed set of names: bounded series)."""
+        self.task_failures.inc((task,))
 
     def upstream_error(self, worker: str, role: str, kind: str) -> None:
         self._error_series.add((worker, role, kind))

@@ -1,4 +1,11 @@
-"""HTTP surface of the router (aiohttp on uvloop): SGLang's endpoints plus admin and metrics."""
+"""HTTP surface of the router (aiohttp on uvloop): SGLang's endpoints plus admin and metrics.
+
+Worker answers relayed on the info routes (``/v1/models``, ``/model_info``, ``/get_model_info``,
+``/server_info``, ``/get_server_info``, ``/health_generate``) are read under the control-answer
+cap (``control.py``; larger is a 502) and redacted for the caller's view (``redact.py``; a body
+that is not JSON is not relayed). In PD mode ``/health_generate`` asks one prefill and one
+decode worker: 200 only if both sides answer it.
+"""
 
 from __future__ import annotations
 
@@ -13,17 +20,21 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from omniinfer.proxy.auth import Guard, error_response, json_errors
+from omniinfer.proxy.auth import Guard, error_response, full_view, json_errors
 from omniinfer.proxy.config import RouterConfig
+from omniinfer.proxy.control import AnswerTooLarge, read_capped
 from omniinfer.proxy.core import Router
 from omniinfer.proxy.forward import handle
 from omniinfer.proxy.listener import Listener
-from omniinfer.proxy.workers import Role
+from omniinfer.proxy.redact import redact
+from omniinfer.proxy.workers import Role, Worker, normalize_url
 
 log = logging.getLogger("omniinfer.proxy")
 ROUTER_KEY = web.AppKey("router", Router)
 MAX_ADMIN_BODY = 64 * 1024
 KEEPALIVE_S = 75.0
+INFO_TIMEOUT_S = 10.0
+WORKER_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -41,21 +52,49 @@ def _inference(endpoint: str) -> Any:
     return route
 
 
+async def _fetch(router: Router, worker: Worker, path: str) -> tuple[int, bytes]:
+    """GET ``path`` from ``worker``: (status, body) under the control cap; raises
+    ``AnswerTooLarge`` or a transport error."""
+    assert router.session is not None
+    async with router.session.get(worker.url + path, headers=router.control_headers,
+                                  timeout=aiohttp.ClientTimeout(total=INFO_TIMEOUT_S)) as resp:
+        return resp.status, await read_capped(resp, router.control_cap)
+
+
+def _relayed(request: web.Request, status: int, body: bytes) -> web.Response:
+    """A worker's info answer as the caller may read it: JSON, redacted for its view."""
+    if not body.strip():
+        return web.Response(status=status if status < 500 else 502, body=b"",
+                            content_type="application/json")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = None
+    if data is None or status >= 500:  # (a worker's own error text may name anything)
+        code = status if 400 <= status < 500 else 502
+        return error_response(code, f"the worker answered HTTP {status}"
+                              + ("" if data is not None else " with a body that is not JSON"),
+                              "upstream_error")
+    return _json(redact(data, strict=not full_view(request)), status=status)
+
+
+def _info_workers(router: Router, role: Role) -> list[Worker]:
+    return router.pool.candidates(role, asyncio.get_running_loop().time()) or \
+        router.pool.role(role)
+
+
 async def _from_worker(request: web.Request, path: str) -> web.Response:
     """GET ``path`` from the first available decode/regular worker and relay its answer."""
     router = _router(request)
-    role = Role.DECODE if router.pd else Role.REGULAR
-    assert router.session is not None
-    for worker in router.pool.candidates(role, asyncio.get_running_loop().time()) or \
-            router.pool.role(role):
+    for worker in _info_workers(router, Role.DECODE if router.pd else Role.REGULAR):
         try:
-            async with router.session.get(worker.url + path, headers=router.session_headers,
-                                          timeout=aiohttp.ClientTimeout(total=10.0)) as resp:
-                return web.Response(status=resp.status if resp.status < 500 else 502,
-                                    body=await resp.read(),
-                                    content_type=resp.content_type or "application/json")
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            status, body = await _fetch(router, worker, path)
+        except AnswerTooLarge:
+            return error_response(502, "the worker's answer is larger than the router relays",
+                                  "upstream_error")
+        except WORKER_ERRORS:
             continue
+        return _relayed(request, status, body)
     return error_response(503, "no worker answered", "unavailable", retry_after=1)
 
 
@@ -67,21 +106,51 @@ async def model_info(request: web.Request) -> web.Response:
     return await _from_worker(request, "/model_info")
 
 
+async def _generates(router: Router, role: Role) -> bool:
+    """Whether a worker of ``role`` (the available ones first) answers /health_generate 200."""
+    for worker in _info_workers(router, role):
+        try:
+            status, _ = await _fetch(router, worker, "/health_generate")
+        except WORKER_ERRORS:
+            continue
+        if status == 200:
+            return True
+    return False
+
+
 async def health_generate(request: web.Request) -> web.Response:
-    return await _from_worker(request, "/health_generate")
+    """Regular mode: a worker's answer, relayed. PD mode: 200 only if a prefill worker and a
+    decode worker both answer their /health_generate with 200 (asked at once), else 503."""
+    router = _router(request)
+    if not router.pd:
+        return await _from_worker(request, "/health_generate")
+    prefill, decode = await asyncio.gather(_generates(router, Role.PREFILL),
+                                           _generates(router, Role.DECODE))
+    if prefill and decode:
+        return _json({"status": "ok"})
+    missing = " and ".join(role for role, ok in (("prefill", prefill), ("decode", decode))
+                           if not ok)
+    return error_response(503, f"no {missing} worker answered /health_generate",
+                          "unavailable", retry_after=1)
 
 
 async def server_info(request: web.Request) -> web.Response:
+    """The first decode/regular worker's /server_info and the router's own state, redacted for
+    the caller's view at any depth (SGLang repeats its server args, keys included, in
+    ``internal_states``): a user key reads no member named like a key, secret, password or
+    token, neither the worker's nor the router's (``omniproxy``); the full view (admin) gets
+    the router's block whole."""
     router = _router(request)
     role = Role.DECODE if router.pd else Role.REGULAR
     info: Any = None
     for worker in router.pool.role(role):
-        info = await router.get_json(worker, "/server_info", timeout=10.0)
+        info = await router.get_json(worker, "/server_info", timeout=INFO_TIMEOUT_S)
         if isinstance(info, dict):
             break
-    data = {k: v for k, v in info.items() if "api_key" not in k} if isinstance(info, dict) \
-        else {}  # a worker's server args name its key: a user key must not reveal it
-    data["omniproxy"] = router.describe()
+    strict = not full_view(request)
+    data = redact(info, strict) if isinstance(info, dict) else {}
+    own = router.describe()  # the router's state holds no worker secret: only a user key's
+    data["omniproxy"] = redact(own, strict) if strict else own  # view trims its names
     return _json(data)
 
 
@@ -275,6 +344,13 @@ async def _serve(config: RouterConfig) -> None:
 
 
 def serve(config: RouterConfig) -> int:
+    try:  # a bad worker URL is a usage error (exit 2), not a traceback
+        for url in [*config.worker_urls, *(u for u, _ in config.prefill_urls),
+                    *config.decode_urls]:
+            normalize_url(url)
+    except ValueError as exc:
+        print(f"omniinfer router: error: {exc}", file=sys.stderr)
+        return 2
     level = {"warn": logging.WARNING}.get(config.log_level, config.log_level.upper())
     logging.basicConfig(level=level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -36,7 +36,11 @@ class WorkerLoads:
 
     @classmethod
     def from_json(cls, data: Any, now: float) -> WorkerLoads:
-        """Sum the per-rank entries of a /v1/loads answer; unknown shapes give zeros."""
+        """Sum the per-rank entries of a /v1/loads answer; unknown shapes give zeros.
+
+        Every figure is clamped (``load_count``, ``load_rate``): finite, non-negative and
+        bounded, so no answer (``1e308``, ``-5``, ``1e400`` read as inf) can make a later sum,
+        a ``/metrics`` scrape or a policy's arithmetic fail."""
         loads = cls(polled_at=now)
         ranks = data.get("loads", []) if isinstance(data, dict) else []
         usages = []
@@ -54,15 +58,53 @@ class WorkerLoads:
             loads.prefill_uncached_tokens += _int(rank.get("total_prefill_uncached_tokens"))
             usages.append(_float(rank.get("token_usage")))
         loads.token_usage = max(usages, default=0.0)
+        for field in _COUNT_FIELDS:  # sums of bounded ranks stay bounded
+            setattr(loads, field, min(getattr(loads, field), MAX_LOAD_COUNT))
+        loads.gen_throughput = min(loads.gen_throughput, MAX_LOAD_RATE)
         return loads
 
 
-def _int(value: Any) -> int:
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+MAX_LOAD_COUNT = 2**40  # requests or tokens: far above any real worker, far below overflow
+MAX_LOAD_RATE = 1e12  # tokens per second, and the like
 
 
-def _float(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+def load_count(value: Any) -> int:
+    """A count a worker reported (requests, tokens, microseconds), made safe to add and show.
+
+    Contract: an int in ``[0, MAX_LOAD_COUNT]`` for any input. Non-numbers (bool, str, None,
+    containers), NaN and negatives give 0; values above the bound (``1e308``, ``inf``, a
+    huge int) give ``MAX_LOAD_COUNT``; fractions are truncated. Never raises.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0
+    if isinstance(value, float):
+        if value != value or value <= 0:  # NaN, negative, zero
+            return 0
+        return MAX_LOAD_COUNT if value >= MAX_LOAD_COUNT else int(value)
+    return min(max(value, 0), MAX_LOAD_COUNT)
+
+
+def load_rate(value: Any) -> float:
+    """A rate or fraction a worker reported (throughput, usage), made safe to add and show.
+
+    Contract: a finite float in ``[0.0, MAX_LOAD_RATE]`` for any input. Non-numbers, NaN and
+    negatives give 0.0; values above the bound (``inf`` included) give ``MAX_LOAD_RATE``.
+    Never raises (a huge int is compared, not converted).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0.0
+    if value != value or value <= 0:
+        return 0.0
+    return MAX_LOAD_RATE if value >= MAX_LOAD_RATE else float(value)
+
+
+_int = load_count
+_float = load_rate
+
+
+_COUNT_FIELDS = ("running_reqs", "waiting_reqs", "waiting_uncached_tokens", "used_tokens",
+                 "max_total_tokens", "max_running_reqs", "prefill_busy_us",
+                 "prefill_uncached_tokens")
 
 
 @dataclasses.dataclass(eq=False)
@@ -110,7 +152,10 @@ def normalize_url(url: str) -> str:
     else would let whoever registers it read or write elsewhere. Spellings of one address give
     one URL (scheme and host in lower case, ``localhost`` and IPv4-mapped IPv6 as the IPv4
     address, IPv6 compressed, the port without leading zeros, the scheme's default port left
-    out), so one worker cannot be registered twice and get two shares of the traffic.
+    out), so one worker cannot be registered twice and get two shares of the traffic. Every
+    numeric IPv4 spelling the OS resolver accepts (``inet_aton``: ``127.1``, ``0x7f000001``,
+    ``2130706433``, ``017700000001``) becomes its dotted quad; the unspecified address
+    (``0.0.0.0``, ``::``, or any spelling of them) is refused: no client can send to it.
     """
     if not isinstance(url, str):
         raise ValueError("a worker URL must be a string")
@@ -139,13 +184,51 @@ def _canonical_host(host: str) -> str:
     if host == "localhost":
         return "127.0.0.1"
     try:
-        address = ipaddress.ip_address(host)
+        address: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(host)
     except ValueError:
-        return host  # a name (already lower case)
+        numeric = inet_aton(host)
+        if numeric is None:
+            return host  # a name (already lower case)
+        address = numeric
     mapped = getattr(address, "ipv4_mapped", None)
     if mapped is not None:
-        return str(mapped)
+        address = mapped
+    if address.is_unspecified:
+        raise ValueError(f"not a worker URL: {host!r} is the unspecified address (a listening "
+                         "socket's wildcard, not an address to send requests to)")
     return f"[{address.compressed}]" if address.version == 6 else str(address)
+
+
+def inet_aton(host: str) -> ipaddress.IPv4Address | None:
+    """The IPv4 address ``host`` spells in any form the C library's ``inet_aton`` (and so the OS
+    resolver) accepts, else None: one to four dot-separated parts, each decimal, ``0x`` hex or
+    ``0`` octal, the last one filling the remaining bytes (``127.1``, ``0x7f000001``,
+    ``2130706433``, ``017700000001``, ``0x7f.0.0.1``)."""
+    parts = host.split(".")
+    if not 1 <= len(parts) <= 4:
+        return None
+    values = []
+    for part in parts:
+        lowered = part.lower()
+        if lowered.startswith("0x"):
+            digits, base = lowered[2:], 16
+            valid = bool(digits) and all(c in "0123456789abcdef" for c in digits)
+        elif len(part) > 1 and part.startswith("0"):
+            digits, base = part[1:], 8
+            valid = all(c in "01234567" for c in digits)
+        else:
+            digits, base = part, 10
+            valid = digits.isascii() and digits.isdigit()
+        if not valid:
+            return None
+        values.append(int(digits, base) if digits else 0)  # "0" has no octal digits
+    *head, last = values
+    if any(v > 255 for v in head) or last >= 1 << (8 * (5 - len(values))):
+        return None
+    number = last
+    for i, value in enumerate(head):
+        number |= value << (24 - 8 * i)
+    return ipaddress.IPv4Address(number)
 
 
 class WorkerPool:
