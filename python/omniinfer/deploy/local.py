@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from omniinfer.deploy.commands import Server, router_args, server_command
+from omniinfer.deploy.commands import Server, plain, router_args, server_command
 from omniinfer.deploy.spec import DeployError, Deployment
 from omniinfer.launch import ManagedProcess, cpu_env, free_port
 from omniinfer.launch_pd import PDServer
@@ -40,7 +40,7 @@ class Local:
             for index in range(group.count):
                 spec = Server(group.role, index, host, free_port(),
                               free_port() if group.role == "prefill" else None)
-                command = server_command(dep, group, spec, host)
+                command = plain(server_command(dep, group, spec, host))
                 log = self.log_dir / f"{spec.name}-{spec.port}.log"
                 process = PDServer(command, env, log, spec.port, group.role,
                                    spec.bootstrap_port)
@@ -50,7 +50,7 @@ class Local:
                     if s.role == "prefill"]
         decodes = [s.url() for s, _ in self.servers if s.role == "decode"]
         port = router_port or dep.router.port
-        self.router = RouterProcess(router_args(dep, prefills, decodes), self.log_dir /
+        self.router = RouterProcess(plain(router_args(dep, prefills, decodes)), self.log_dir /
                                     "router.log", port=port, ready_timeout_s=ready_timeout_s)
 
     def processes(self) -> list[ManagedProcess]:

@@ -1,14 +1,17 @@
 """A deployment for other machines: shell command lines, or Kubernetes manifests.
 
 - ``commands``: one line per server node and one for the router; hosts are placeholders
-  (``$PREFILL_0_HOST``, and ``$PREFILL_0_NODE_1_HOST`` for further nodes of an instance) to set
-  before running each line on its machine.
+  (``${PREFILL_0_HOST}``, and ``${PREFILL_0_NODE_1_HOST}`` for further nodes of an instance)
+  to set before running each line on its machine; every value of the file is single-quoted.
 - ``lws``: one LeaderWorkerSet (``leaderworkerset.x-k8s.io/v1``) per role, one replica per
   instance and ``size`` = its nodes, plus the router as a Deployment and Service running
   ``python -m omniinfer.router`` with the sglang_router flags over the leaders' DNS names.
 - ``rbg``: one RoleBasedGroup (``workloads.x-k8s.io/v1alpha1``) with the roles router, prefill
   and decode (multi-node instances through the role's ``leaderWorkerSet``).
 The servers' command lines are ``commands.server_command``'s, the same as the local run's.
+Containers run their program directly (no shell): ``command`` is the argv, values of the file
+with each ``$`` doubled so that the kubelet's ``$(VAR)`` expansion leaves them as written, and
+only the renderer's placeholders (``$(LWS_LEADER_ADDRESS)``, ``$(LWS_WORKER_INDEX)``) expanded.
 """
 
 from __future__ import annotations
@@ -19,49 +22,64 @@ from omniinfer.deploy.commands import (
     BOOTSTRAP_PORT,
     DIST_PORT,
     SERVER_PORT,
+    Arg,
     Server,
+    Var,
+    kube_args,
     router_args,
     server_command,
     shell,
+    word,
 )
+from omniinfer.deploy.safe_yaml import printable
 from omniinfer.deploy.spec import Deployment, Group
 from omniinfer.proxy.process import router_command
 
 ROUTER_PORT = 8000
 
 
-def _server(group: Group, index: int, host: str, node: int, leader: str) -> Server:
+def _server(group: Group, index: int, host: Arg, node: int | Var, leader: Arg) -> Server:
     return Server(group.role, index, host, SERVER_PORT,
                   BOOTSTRAP_PORT if group.role == "prefill" else None, node,
-                  f"{leader}:{DIST_PORT}" if group.nnodes > 1 else None)
+                  word(leader, f":{DIST_PORT}") if group.nnodes > 1 else None)
+
+
+def _router(dep: Deployment, prefills: list[Arg], decodes: list[Arg], port: int,
+            python: str) -> list[Arg]:
+    """The router's command: ``router_command``'s program and ``--host``/``--port``, then
+    ``router_args`` (kept out of ``router_command``, which takes text only)."""
+    return [*router_command([], port, "0.0.0.0", python),
+            *router_args(dep, [(u, BOOTSTRAP_PORT) for u in prefills], decodes)]
 
 
 def commands(dep: Deployment) -> str:
-    """Shell lines, one per server node and one for the router."""
-    lines = [f"# {dep.source}: {dep.prefill.count} prefill and {dep.decode.count} decode "
-             "instances; set each $..._HOST, run each line on its machine"]
-    prefills, decodes = [], []
+    """Shell lines, one per server node and one for the router; each value of the file is
+    quoted, each host is a ``${..._HOST}`` variable of the machine running the line."""
+    lines = [f"# {printable(dep.source)}: {dep.prefill.count} prefill and {dep.decode.count} "
+             "decode instances; set each ${..._HOST}, run each line on its machine"]
+    prefills: list[Arg] = []
+    decodes: list[Arg] = []
     for group in dep.groups():
         for index in range(group.count):
-            head = f"${group.role.upper()}_{index}_HOST"
+            role = f"{group.role.upper()}_{index}"
+            head = Var(f"{role}_HOST")
             for node in range(group.nnodes):
-                host = head if node == 0 else f"${group.role.upper()}_{index}_NODE_{node}_HOST"
-                spec = _server(group, index, host, node, head)
+                host = head if node == 0 else Var(f"{role}_NODE_{node}_HOST")
+                spec = _server(group, index, word(host), node, word(head))
                 lines.append(f"# {spec.name}" + (f", node {node} of {group.nnodes}"
                                                  if group.nnodes > 1 else ""))
                 lines.append(shell(server_command(dep, group, spec, "0.0.0.0", "python")))
             (prefills if group.role == "prefill" else decodes).append(
-                f"http://{head}:{SERVER_PORT}")
-    args = router_args(dep, [(u, BOOTSTRAP_PORT) for u in prefills], decodes)
-    lines += ["# router", shell(router_command(args, dep.router.port, "0.0.0.0", "python"))]
+                word("http://", head, f":{SERVER_PORT}"))
+    lines += ["# router", shell(_router(dep, prefills, decodes, dep.router.port, "python"))]
     return "\n".join(lines) + "\n"
 
 
-def _container(dep: Deployment, name: str, command: list[str], ports: list[int],
+def _container(dep: Deployment, name: str, command: list[Arg], ports: list[int],
                gpus: int) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": name, "image": dep.kubernetes.image,
-        "command": ["sh", "-c", shell(command)],
+        "command": kube_args(command),
         "ports": [{"containerPort": p} for p in ports]}
     if gpus and dep.device != "cpu":
         resource = "huawei.com/ascend-1980" if dep.device == "npu" else "nvidia.com/gpu"
@@ -88,7 +106,8 @@ def _lws_name(dep: Deployment, role: str) -> str:
 def lws(dep: Deployment) -> list[dict[str, Any]]:
     """LeaderWorkerSets for prefill and decode, a Deployment and a Service for the router."""
     docs: list[dict[str, Any]] = []
-    prefills, decodes = [], []
+    prefills: list[Arg] = []
+    decodes: list[Arg] = []
     for group in dep.groups():
         name = _lws_name(dep, group.role)
         template: dict[str, Any] = {"size": group.nnodes,
@@ -110,21 +129,19 @@ def lws(dep: Deployment) -> list[dict[str, Any]]:
 
 def _lws_pod(dep: Deployment, group: Group, name: str, leader: bool) -> dict[str, Any]:
     """A leader's or a worker's pod of one instance; its node rank is LWS's worker index."""
-    spec = _server(group, 0, "$(LWS_LEADER_ADDRESS)", 0, "$(LWS_LEADER_ADDRESS)")
-    command = server_command(dep, group, spec, "0.0.0.0", "python3")
-    if group.nnodes > 1:
-        at = command.index("--node-rank") + 1
-        command[at] = "$(LWS_WORKER_INDEX)"
+    leader = word(Var("LWS_LEADER_ADDRESS"))
+    rank = Var("LWS_WORKER_INDEX") if group.nnodes > 1 else 0
+    command = server_command(dep, group, _server(group, 0, leader, rank, leader), "0.0.0.0",
+                             "python3")
     ports = [SERVER_PORT] + ([BOOTSTRAP_PORT] if group.role == "prefill" else [])
     return _pod([_container(dep, f"sglang-{group.role}", command, ports if leader else [],
                             _gpus(dep, group))], group.role, name)
 
 
-def _router_objects(dep: Deployment, prefills: list[str], decodes: list[str]
+def _router_objects(dep: Deployment, prefills: list[Arg], decodes: list[Arg]
                     ) -> list[dict[str, Any]]:
     name = f"{dep.kubernetes.name}-router"
-    command = router_command(router_args(dep, [(u, BOOTSTRAP_PORT) for u in prefills], decodes),
-                             ROUTER_PORT, "0.0.0.0", "python3")
+    command = _router(dep, prefills, decodes, ROUTER_PORT, "python3")
     labels = {"app.kubernetes.io/name": name, "omniinfer/role": "router"}
     pod = {"metadata": {"labels": labels},
            "spec": {"containers": [_container(dep, "omniproxy", command, [ROUTER_PORT], 0)]}}
@@ -140,9 +157,9 @@ def rbg(dep: Deployment) -> list[dict[str, Any]]:
     """One RoleBasedGroup: router, prefill and decode roles."""
     group_name = dep.kubernetes.name
     roles: list[dict[str, Any]] = []
-    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+    urls: dict[str, list[Arg]] = {"prefill": [], "decode": []}
     for group in dep.groups():
-        spec = _server(group, 0, "$(POD_IP)", 0, "$(LWS_LEADER_ADDRESS)")
+        spec = _server(group, 0, word(Var("POD_IP")), 0, word(Var("LWS_LEADER_ADDRESS")))
         command = server_command(dep, group, spec, "0.0.0.0", "python3")
         ports = [SERVER_PORT] + ([BOOTSTRAP_PORT] if group.role == "prefill" else [])
         role: dict[str, Any] = {
@@ -156,8 +173,7 @@ def rbg(dep: Deployment) -> list[dict[str, Any]]:
             urls[group.role].append(
                 f"http://{group_name}-{group.role}-{index}.s-{group_name}-{group.role}"
                 f":{SERVER_PORT}")
-    command = router_command(router_args(dep, [(u, BOOTSTRAP_PORT) for u in urls["prefill"]],
-                                         urls["decode"]), ROUTER_PORT, "0.0.0.0", "python3")
+    command = _router(dep, urls["prefill"], urls["decode"], ROUTER_PORT, "python3")
     router = {"name": "router", "replicas": 1, "dependencies": ["prefill", "decode"],
               "template": {"spec": {"containers": [
                   _container(dep, "omniproxy", command, [ROUTER_PORT], 0)]}}}

@@ -24,16 +24,45 @@ it, as ``FILE: prefill.tp: ...``)::
       image: lmsysorg/sglang:v0.5.23
       namespace: default
       gpus_per_node: 8
+      name: omniinfer          # a DNS-1035 label of at most 40 characters
+
+The file is untrusted input (``safe_yaml``: at most 1 MiB of UTF-8, no anchors, aliases or
+duplicate keys), and every value is bounded: ``count`` <= 256 instances per role, ``nnodes``
+<= 256, at most 1024 server nodes in all, ``tp``/``ep`` <= 4096, ``gpus_per_node`` <= 64,
+``max_total_tokens`` < 2**31, text values at most 1024 characters without control characters
+or line breaks, ``args`` at most 128 entries and 8192 characters. A value from the file is
+always data: ``commands`` quotes or escapes it wherever it goes and never lets a shell or the
+kubelet read it as code. Every refusal is one ``DeployError`` line, values in it shortened.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
+from omniinfer.deploy.safe_yaml import MAX_FILE_BYTES as MAX_FILE_BYTES  # the size cap
+from omniinfer.deploy.safe_yaml import Refused, printable, read, show
+
 DEVICES = ("cpu", "gpu", "npu")
 TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp", "nixl", "ascend", "mori", "fake")
+
+MAX_INSTANCES = 256  # count, per role
+MAX_NODES = 256  # nnodes, per instance
+MAX_SERVER_NODES = 1024  # count x nnodes, prefill and decode together
+MAX_PARALLEL = 4096  # tp, ep
+MAX_GPUS_PER_NODE = 64
+MAX_TOTAL_TOKENS = 2**31 - 1
+MAX_TEXT_CHARS = 1024  # any text value, one args entry included
+MAX_ARGS = 128  # entries of one args list
+MAX_ARGS_CHARS = 8192  # characters of one args list, all entries
+MAX_NAME_CHARS = 40  # kubernetes.name: NAME-prefill-I-J and s-NAME-decode stay valid names
+# RFC 1035 label (Services, hence kubernetes.name) and RFC 1123 label (namespaces)
+DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+IMAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@-]*")
+MAX_IMAGE_CHARS = 512
 
 
 class DeployError(ValueError):
@@ -87,18 +116,12 @@ class Deployment:
 
 
 def load(path: str | Path) -> Deployment:
-    """Read and check a deployment file."""
-    import yaml
-
-    source = str(path)
+    """Read and check a deployment file; any problem is one ``DeployError`` line."""
+    source = printable(str(path))
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise DeployError(f"{source}: cannot read: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise DeployError(f"{source}: not valid YAML{where}") from None
+        data = read(path)
+    except Refused as exc:
+        raise DeployError(f"{source}: {exc}") from None
     return parse(data, source)
 
 
@@ -106,12 +129,19 @@ def parse(data: Any, source: str = "<deployment>") -> Deployment:
     """A checked ``Deployment`` from the decoded YAML."""
     top = _Mapping(data, source, "")
     model = top.take("model", str, required=True)
+    if not model:
+        raise DeployError(f"{top.where('model')}: must not be empty")
     device = top.take("device", str, default="cpu", choices=DEVICES)
     backend = top.take("transfer_backend", str,
                        default="mooncake_tcp" if device == "cpu" else "mooncake",
                        choices=TRANSFER_BACKENDS)
-    max_total = top.take("max_total_tokens", int, default=None, minimum=1)
+    max_total = top.take("max_total_tokens", int, default=None, minimum=1,
+                         maximum=MAX_TOTAL_TOKENS)
     groups = [_group(top.sub(role, required=True), role) for role in ("prefill", "decode")]
+    nodes = sum(g.count * g.nnodes for g in groups)
+    if nodes > MAX_SERVER_NODES:
+        raise DeployError(f"{source}: prefill and decode: {nodes} server nodes in all (count x "
+                          f"nnodes), more than the {MAX_SERVER_NODES} a deployment may have")
     router = _router(top.sub("router"))
     kube = _kube(top.sub("kubernetes"))
     top.done()
@@ -120,10 +150,10 @@ def parse(data: Any, source: str = "<deployment>") -> Deployment:
 
 
 def _group(m: _Mapping, role: str) -> Group:
-    count = m.take("count", int, default=1, minimum=1)
-    tp = m.take("tp", int, default=1, minimum=1)
-    ep = m.take("ep", int, default=1, minimum=1)
-    nnodes = m.take("nnodes", int, default=1, minimum=1)
+    count = m.take("count", int, default=1, minimum=1, maximum=MAX_INSTANCES)
+    tp = m.take("tp", int, default=1, minimum=1, maximum=MAX_PARALLEL)
+    ep = m.take("ep", int, default=1, minimum=1, maximum=MAX_PARALLEL)
+    nnodes = m.take("nnodes", int, default=1, minimum=1, maximum=MAX_NODES)
     pattern = m.take("omni_attn_pattern", str, default=None)
     placement = m.take("omni_placement", bool, default=False)
     args = m.take_args("args")
@@ -148,7 +178,7 @@ def _router(m: _Mapping) -> RouterSpec:
     for key, name in (("prefill_policy", prefill), ("decode_policy", decode)):
         if name not in known:
             where = key if key in m.data else "policy"
-            raise DeployError(f"{m.where(where)}: unknown policy {name!r} (one of "
+            raise DeployError(f"{m.where(where)}: unknown policy {show(name)} (one of "
                               f"{', '.join(known)})")
     return RouterSpec(port, prefill, decode, args)
 
@@ -156,12 +186,37 @@ def _router(m: _Mapping) -> RouterSpec:
 def _kube(m: _Mapping) -> KubeSpec:
     spec = KubeSpec(m.take("image", str, default=KubeSpec.image),
                     m.take("namespace", str, default=KubeSpec.namespace),
-                    m.take("gpus_per_node", int, default=KubeSpec.gpus_per_node, minimum=0),
+                    m.take("gpus_per_node", int, default=KubeSpec.gpus_per_node, minimum=0,
+                           maximum=MAX_GPUS_PER_NODE),
                     m.take("name", str, default=KubeSpec.name))
     m.done()
-    if not spec.name.replace("-", "").isalnum() or not spec.name.islower():
-        raise DeployError(f"{m.where('name')}: a Kubernetes name (lower case, digits, '-')")
+    if not DNS1035_LABEL.fullmatch(spec.name) or len(spec.name) > MAX_NAME_CHARS:
+        raise DeployError(f"{m.where('name')}: must be a Kubernetes name: lower-case letters, "
+                          "digits and '-', starting with a letter, ending with a letter or "
+                          f"digit, at most {MAX_NAME_CHARS} characters; got {show(spec.name)}")
+    if not DNS1123_LABEL.fullmatch(spec.namespace) or len(spec.namespace) > 63:
+        raise DeployError(f"{m.where('namespace')}: must be a Kubernetes namespace: lower-case "
+                          "letters, digits and '-', starting and ending with a letter or digit, "
+                          f"at most 63 characters; got {show(spec.namespace)}")
+    if not IMAGE.fullmatch(spec.image) or len(spec.image) > MAX_IMAGE_CHARS:
+        raise DeployError(f"{m.where('image')}: must be an image reference (letters, digits, "
+                          f"'._/:@-', at most {MAX_IMAGE_CHARS} characters); got "
+                          f"{show(spec.image)}")
     return spec
+
+
+def _text_problem(value: str) -> str | None:
+    """Why a text value from the file cannot go into a command line, or None."""
+    if len(value) > MAX_TEXT_CHARS:
+        return f"longer than {MAX_TEXT_CHARS} characters"
+    bad = next((c for c in value if not c.isprintable() and c != " "), None)
+    if bad is not None:
+        return (f"a control character or line break ({bad!r}) cannot go into a command "
+                "line")
+    return None
+
+
+_KEY = re.compile(r"[A-Za-z0-9_.-]{1,40}")
 
 
 class _Mapping:
@@ -175,8 +230,9 @@ class _Mapping:
         self.data, self.source, self.prefix = data, source, prefix
         self.seen: set[str] = set()
 
-    def where(self, key: str) -> str:
-        return f"{self.source}: {self.prefix}{key}"
+    def where(self, key: Any) -> str:
+        shown = key if isinstance(key, str) and _KEY.fullmatch(key) else show(key)
+        return f"{self.source}: {self.prefix}{shown}"
 
     def sub(self, key: str, required: bool = False) -> _Mapping:
         self.seen.add(key)
@@ -194,24 +250,34 @@ class _Mapping:
             return default
         value = self.data[key]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise DeployError(f"{self.where(key)}: must be {kind.__name__}, got {value!r}")
+            raise DeployError(f"{self.where(key)}: must be {kind.__name__}, got {show(value)}")
         if choices is not None and value not in choices:
             raise DeployError(f"{self.where(key)}: must be one of {', '.join(choices)}, "
-                              f"got {value!r}")
+                              f"got {show(value)}")
         if minimum is not None and value < minimum:
-            raise DeployError(f"{self.where(key)}: must be >= {minimum}, got {value}")
+            raise DeployError(f"{self.where(key)}: must be >= {minimum}, got {show(value)}")
         if maximum is not None and value > maximum:
-            raise DeployError(f"{self.where(key)}: must be <= {maximum}, got {value}")
+            raise DeployError(f"{self.where(key)}: must be <= {maximum}, got {show(value)}")
+        if isinstance(value, str) and (problem := _text_problem(value)) is not None:
+            raise DeployError(f"{self.where(key)}: {problem}")
         return value
 
     def take_args(self, key: str) -> tuple[str, ...]:
         value = self.take(key, list, default=[])
+        if len(value) > MAX_ARGS:
+            raise DeployError(f"{self.where(key)}: more than {MAX_ARGS} entries")
         if not all(isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in value):
             raise DeployError(f"{self.where(key)}: a list of flags and values (strings)")
-        return tuple(str(a) for a in value)
+        args = tuple(str(a) for a in value)
+        for index, arg in enumerate(args):
+            if (problem := _text_problem(arg)) is not None:
+                raise DeployError(f"{self.where(key)}[{index}]: {problem}")
+        if sum(len(a) for a in args) > MAX_ARGS_CHARS:
+            raise DeployError(f"{self.where(key)}: more than {MAX_ARGS_CHARS} characters in all")
+        return args
 
     def done(self) -> None:
         unknown = sorted(set(self.data) - self.seen, key=str)
         if unknown:
-            raise DeployError(f"{self.where(str(unknown[0]))}: unknown key (known: "
+            raise DeployError(f"{self.where(unknown[0])}: unknown key (known: "
                               f"{', '.join(sorted(self.seen))})")
