@@ -404,3 +404,27 @@ def test_pd_health_generate_needs_a_prefill_and_a_decode_worker(tmp_path: Path) 
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_an_endless_5xx_body_is_not_read_to_the_answer_cap() -> None:
+    written = [0]  # MiB the worker got to send (a router before the fix read 64)
+
+    async def endless_500(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(status=500, headers={"Content-Type": "text/plain"})
+        await out.prepare(request)
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            for _ in range(ENDLESS_CAP_MB):
+                await out.write(b"e" * (1 << 20))
+                written[0] += 1
+        return out
+
+    async def main() -> None:
+        async with router_for([ScriptedWorker({"/generate": endless_500})],
+                              retry_max_retries=0) as (base, _):
+            async with aiohttp.ClientSession() as s:
+                async with s.post(base + "/generate", json={"text": "hi"}) as r:
+                    await r.read()
+                    assert r.status >= 500
+            await asyncio.sleep(0.5)
+        assert 0 < written[0] < 8, written
+    run(main())

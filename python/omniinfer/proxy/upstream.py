@@ -7,7 +7,8 @@ total of one attempt (a non-streamed answer comes whole, so only the total bound
 answer head is due within the first-byte timeout too. A non-streamed answer larger than
 ``--max-response-size`` fails the attempt without a retry (it would be as large elsewhere). Failures
 before any byte reached the client raise ``UpstreamFailure`` (the caller may retry elsewhere); a
-worker's own 4xx raises ``Passthrough`` and goes to the client as is.
+worker's own 4xx raises ``Passthrough`` and goes to the client as is; of a 5xx body at most
+about a megabyte is read (the reader's pause threshold), only for the log.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from omniinfer.proxy.core import Router
 
 UPSTREAM_ERRORS = (asyncio.TimeoutError, OSError)
+ERROR_TEXT_CAP = 64 * 1024  # a 5xx body is read for its first 300 characters, not relayed
 UPSTREAM_PATHS = {"generate": "/generate", "completions": "/v1/completions",
                   "chat": "/v1/chat/completions"}
 
@@ -70,6 +72,7 @@ async def post(router: Router, worker: Worker, path: str, payload: bytes,
     except UPSTREAM_ERRORS as exc:
         raise _failure(worker, "connect", exc) from None
     if resp.status >= 500:
+        resp.limit = min(resp.limit, ERROR_TEXT_CAP)  # only its start is logged
         try:
             text = (await resp.read())[:300].decode(errors="replace")
         except UPSTREAM_ERRORS:
