@@ -56,6 +56,8 @@ def test_values_are_converted_and_exported(tmp_path: Path) -> None:
         (["--omni-attn-pattern", "/no/such/file.json"], "no such file"),
         (["--omni-placement-plan", "/no/such/plan.json"], "no such file"),
         (["--omni-attn-context", "0"], "must be >= 1"),
+        (["--omni-placement-predictor", "last", "--omni-placement-window", "5"],
+         "--omni-placement-window: predictor 'last' has no moving-average span"),
     ],
 )
 def test_bad_values_raise_one_line(argv: list[str], fragment: str) -> None:

@@ -103,8 +103,9 @@ OMNI_FLAGS: tuple[OmniFlag, ...] = (
         "omni_placement_window",
         int,
         None,
-        "OmniPlacement: span N of the predictor's moving average (weight 2/(N+1) on the newest "
-        "window); default: the predictor's own (0.3 on the newest window).",
+        "OmniPlacement: span N of the predictor's moving average (ema, ema-trend, ema-shift: "
+        "weight 2/(N+1) on the newest window; window: the mean of the last N windows; last "
+        "has none); default: the predictor's own (0.3 on the newest window, 10 windows).",
         _at_least(1),
     ),
     OmniFlag(
@@ -205,6 +206,14 @@ class OmniConfig:
             raise OmniFlagError("--omni-placement-plan: needs --enable-omni-placement")
         if self.omni_attn_context is not None and self.omni_attn_pattern is None:
             raise OmniFlagError("--omni-attn-context: needs --omni-attn-pattern")
+        if self.omni_placement_window is not None:
+            from omniinfer.placement.base import PlacementError
+            from omniinfer.placement.dynamic import window_args  # NumPy only
+
+            try:
+                window_args(self.omni_placement_predictor, self.omni_placement_window)
+            except PlacementError as exc:
+                raise OmniFlagError(f"--omni-placement-window: {exc}") from None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -23,16 +23,47 @@ from omniinfer.placement.static import plan_layer
 # ---------------------------------------------------------------------------- predictors
 
 PREDICTORS: dict[str, Callable[..., Predictor]] = {}
+# What a span of N windows (``--omni-placement-window N``) means to each predictor, as the
+# keyword arguments it takes; a predictor without an entry has no span and refuses one.
+WINDOW_ARGS: dict[str, Callable[[int], dict[str, float]]] = {}
 
 
-def register_predictor(name: str) -> Callable[[type], type]:
-    """Class decorator: make a predictor available by name (``--predictor NAME``)."""
+def register_predictor(
+    name: str, window: Callable[[int], dict[str, float]] | None = None
+) -> Callable[[type], type]:
+    """Class decorator: make a predictor available by name (``--predictor NAME``); ``window``
+    turns a span of N windows into the predictor's own arguments (None: it has no span)."""
 
     def wrap(cls: type) -> type:
         PREDICTORS[name] = cls
+        if window is not None:
+            WINDOW_ARGS[name] = window
         return cls
 
     return wrap
+
+
+def ema_span(n: int) -> dict[str, float]:
+    """The EMA weight whose centre of mass is that of an N-window mean: 2 / (N + 1)."""
+    return {"alpha": 2.0 / (n + 1)}
+
+
+def window_args(predictor: str, window: int | None) -> dict[str, float]:
+    """The arguments that give ``predictor`` a span of ``window`` windows ({} for None).
+
+    Raises PlacementError for an unknown predictor, a span below 1, or a predictor that has no
+    span (``last``), naming the predictors that have one."""
+    if window is None:
+        return {}
+    if predictor not in PREDICTORS:
+        raise PlacementError(f"unknown predictor {predictor!r}")
+    if window < 1:
+        raise PlacementError(f"a span must be >= 1 window, got {window}")
+    span = WINDOW_ARGS.get(predictor)
+    if span is None:
+        raise PlacementError(f"predictor {predictor!r} has no moving-average span (the ones "
+                             f"that do: {', '.join(sorted(WINDOW_ARGS))})")
+    return span(int(window))
 
 
 def make_predictor(name: str, **kwargs: float) -> Predictor:
@@ -80,7 +111,7 @@ class LastWindow(_Base):
         return self.value
 
 
-@register_predictor("window")
+@register_predictor("window", window=lambda n: {"size": n})
 class WindowMean(_Base):
     """Mean of the last ``size`` windows: less sampling noise, slower to follow a shift."""
 
@@ -96,7 +127,7 @@ class WindowMean(_Base):
         return np.mean(self.history, axis=0)
 
 
-@register_predictor("ema")
+@register_predictor("ema", window=ema_span)
 class Ema(_Base):
     """Exponentially weighted moving average of the shares."""
 
@@ -114,7 +145,7 @@ class Ema(_Base):
         return self.level
 
 
-@register_predictor("ema-trend")
+@register_predictor("ema-trend", window=ema_span)
 class EmaTrend(_Base):
     """EMA plus a damped trend (Holt): follows a steady drift without lagging behind it."""
 
@@ -136,7 +167,7 @@ class EmaTrend(_Base):
         return self.level + self.damping * self.trend
 
 
-@register_predictor("ema-shift")
+@register_predictor("ema-shift", window=ema_span)
 class EmaShift(EmaTrend):
     """EMA plus trend that restarts from the last window when that window differs from the
     forecast by more than sampling noise explains (a regime shift), so it neither averages

@@ -12,7 +12,13 @@ per-pass callback is replaced by :class:`PlacementController`:
   (:class:`omniinfer.placement.dynamic.DynamicPlanner`: trigger, prediction, margin), broadcast
   the decision, stage the changed slots (local copies or point-to-point from the rank holding
   the expert), then agree with all ranks on success and on the pass to switch at. A failed
-  staging on any rank leaves the old layout serving everywhere.
+  staging on any rank leaves the old layout serving everywhere; its cause on every rank is
+  reported and rank 0 never proposes that layout again.
+
+The switch itself is agreed at its pass (:mod:`.agreement`): every rank votes when the target
+pass ends, and a rank whose background thread posted the layout too late votes "not ready", so
+all ranks switch at that pass or none does; an aborted switch is retried at a later agreed pass
+(up to ``SWITCH_ATTEMPTS`` times), then dropped.
 
 Devices (through :mod:`omniinfer.platform` only): staging runs on a dedicated stream, over
 NCCL/HCCL when the weights live on a device (gloo on CPU), and the switch makes the forward
@@ -24,6 +30,7 @@ messages (decisions, verdicts) always use a gloo group over host tensors.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -39,24 +46,28 @@ import torch.distributed as dist
 
 from omniinfer.flags import OmniConfig
 from omniinfer.placement.base import Placement
-from omniinfer.placement.dynamic import DynamicConfig, DynamicPlanner
+from omniinfer.placement.dynamic import DynamicConfig, DynamicPlanner, window_args
 from omniinfer.placement.staging import HostCopy, SlotStager, StagedWeights
 from omniinfer.placement.transfers import logical_counts, plan_slot_copies
 from omniinfer.platform import CPU, Platform, for_tensor
+from omniinfer.sglang_plugin.placement.agreement import SwitchAgreement
 
 logger = logging.getLogger("omniinfer")
 
 STATE_DIR_ENV = "OMNIINFER_STATE_DIR"
 STATUS_FILE = "placement.json"
-SWITCH_DELAY_PASSES = 2
+SWITCH_DELAY_PASSES = 2  # first attempt: the slowest rank's pass + 2
+SWITCH_ATTEMPTS = 3  # each retry waits 4x as many passes (2, 8, 32)
 HISTORY_LIMIT = 200
+FAILED_LAYOUTS_LIMIT = 64
+COUNTERS = ("decisions", "migrations_adopted", "migrations_failed", "switches_aborted",
+            "migrations_abandoned", "layouts_skipped")
 
 
 @dataclasses.dataclass
 class Staged:
     """Weights staged for one migration, waiting for their switch pass."""
 
-    target_pass: int
     new_map: np.ndarray
     metadata: Any
     layers: list[int]
@@ -65,12 +76,12 @@ class Staged:
 
 
 def planner_config(config: OmniConfig) -> DynamicConfig:
-    """The planner the flags ask for; with none set, the one docs/benchmarks.md measured."""
-    window = config.omni_placement_window
+    """The planner the flags ask for; with none set, the one docs/benchmarks.md measured. The
+    window span reaches the predictor as the arguments its registry entry declares."""
     return DynamicConfig(
         trigger=config.omni_placement_trigger, margin=config.omni_placement_margin,
         predictor=config.omni_placement_predictor,
-        predictor_args={} if window is None else {"alpha": 2.0 / (window + 1)})
+        predictor_args=window_args(config.omni_placement_predictor, config.omni_placement_window))
 
 
 class PlacementController:
@@ -103,15 +114,15 @@ class PlacementController:
         data_group = (dist.new_group(ranks=ranks, backend=self.platform.collective_backend)
                       if self.platform.is_device else self.group)
         self.stager = SlotStager(self.platform, self.rank, self.per_rank, self.weights, data_group)
-        self.passes = 0
-        self.pending: Staged | None = None
-        self.applied = threading.Event()
+        self.agreement: SwitchAgreement[Staged] = SwitchAgreement(self.group)
+        self.versions = 0  # switch attempts so far: the same sequence on every rank
+        self.failed_layouts: dict[str, dict[str, str]] = {}  # signature -> causes by rank
         self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.status: dict[str, Any] = {
             "enabled": True, "rank_count": self.num_ranks, "moe_layers": self.moe_layers,
             "trigger": config.omni_placement_trigger, "margin": config.omni_placement_margin,
             "interval_passes": config.omni_placement_interval, "decisions": [], "migrations": [],
-            "layer_imbalance": {},
+            "layer_imbalance": {}, "counters": dict.fromkeys(COUNTERS, 0), "last_failure": None,
         }
         self.planner: DynamicPlanner | None = None
         if self.rank == 0:
@@ -126,6 +137,11 @@ class PlacementController:
         logger.info("omniinfer: OmniPlacement on rank %d: %d MoE layers, %d ranks, %d slots per rank",
                     self.rank, len(self.moe_layers), self.num_ranks, self.per_rank)
 
+    @property
+    def passes(self) -> int:
+        """Forward passes ended on this rank (the same count on every rank between passes)."""
+        return self.agreement.passes
+
     # ------------------------------------------------------------------ main thread
 
     def on_counts(self, global_physical_count: torch.Tensor) -> None:
@@ -134,10 +150,16 @@ class PlacementController:
             self.inbox.put(("counts", HostCopy.start(global_physical_count, counts_platform)))
 
     def on_forward_pass_end(self) -> None:
-        self.passes += 1
-        staged = self.pending
-        if staged is not None and self.passes >= staged.target_pass:
-            self._switch(staged)
+        """Count the pass; at a staged layout's target pass, vote and switch iff all agreed."""
+        due = self.agreement.pass_end()
+        if due is not None:
+            switched = False
+            try:
+                if due.agreed:
+                    self._switch(due.payload)
+                    switched = True
+            finally:
+                self.agreement.settle(switched)
         if self.passes % self.config.omni_placement_interval == 0:
             self.inbox.put(("tick", self.passes))
 
@@ -148,8 +170,6 @@ class PlacementController:
         staged.record.update(switched_at_pass=self.passes, switched_unix=time.time(),
                              switch_ms=round(1000 * (time.perf_counter() - started), 3), state="adopted")
         self.inbox.put(("switched", staged.new_map))
-        self.pending = None
-        self.applied.set()
 
     # ------------------------------------------------------------- background thread
 
@@ -181,6 +201,8 @@ class PlacementController:
         self._migrate(pass_id, buffer.numpy().copy())
 
     def _decide(self, pass_id: int, window: np.ndarray) -> np.ndarray | None:
+        """Rank 0: one Algorithm 2 step on the window's counts; the new map, or None (nothing
+        adopted, or a layout that failed before: it is skipped and counted)."""
         assert self.planner is not None
         counts = window[self.moe_layers]
         if counts.sum() <= 0:
@@ -194,63 +216,121 @@ class PlacementController:
         triggered = [self.moe_layers[i] for i in np.flatnonzero(result.predicted_b > self.config.omni_placement_trigger)]
         adopted = [self.moe_layers[i] for i in result.adopted_layers]
         after = result.placement.imbalance(counts)
-        self._remember("decisions", {
+        decision: dict[str, Any] = {
             "pass": pass_id, "time": time.time(), "triggered_layers": triggered,
             "adopted_layers": adopted, "rejected_by_margin": sorted(set(triggered) - set(adopted)),
             "b_before": [round(float(b), 4) for b in before],
             "b_after_planned": [round(float(b), 4) for b in after],
-        })
+        }
+        self._remember("decisions", decision)
+        self.status["counters"]["decisions"] += 1
+        new_map: np.ndarray | None = None
+        if adopted:
+            new_map = self.map.copy()
+            new_map[self.moe_layers] = result.placement.slots.reshape(len(self.moe_layers), -1)
+            layout = layout_signature(new_map)
+            if layout in self.failed_layouts:
+                decision["skipped_failed_layout"] = layout
+                self.status["counters"]["layouts_skipped"] += 1
+                self._reset_planner(self.map)
+                logger.info("omniinfer: placement layout %s not proposed again: it failed before "
+                            "(%s)", layout, _causes_text(self.failed_layouts[layout]))
+                new_map = None
         self._write_status()
-        if not adopted:
-            return None
-        new_map = self.map.copy()
-        new_map[self.moe_layers] = result.placement.slots.reshape(len(self.moe_layers), -1)
         return new_map
 
     def _migrate(self, pass_id: int, new_map: np.ndarray) -> None:
+        """Every rank, for the same decision: stage, agree that every rank staged, then switch
+        at an agreed pass (:meth:`_switch_agreed`). Same collectives in the same order on every
+        rank, whatever happens locally."""
         from sglang.srt.eplb.expert_location import ExpertLocationMetadata
 
-        record: dict[str, Any] = {"decided_at_pass": pass_id, "state": "staging",
+        layout = layout_signature(new_map)
+        record: dict[str, Any] = {"decided_at_pass": pass_id, "layout": layout, "state": "staging",
                                   "staging_started_unix": time.time()}
         started = time.perf_counter()
         old_map = self.map
         copies = plan_slot_copies(old_map, new_map, self.num_ranks, self.moe_layers)
-        staged = StagedWeights({}, None, self.platform)
-        ok = 1
+        weights = StagedWeights({}, None, self.platform)
+        cause: str | None = None
+        metadata = None
         try:
-            staged = self.stager.stage(copies)
+            weights = self.stager.stage(copies)
             metadata = ExpertLocationMetadata.init_by_mapping(
                 self.model_config, torch.from_numpy(new_map), moe_ep_rank=self.rank)
-        except Exception as exc:
-            logger.exception("omniinfer: staging failed on rank %d: %s", self.rank, exc)
-            record["error"] = f"{type(exc).__name__}: {exc}"
-            ok, metadata = 0, None
-        verdict = torch.tensor([ok], dtype=torch.int64)
+        except Exception as exc:  # reported below; every rank still joins the verdict
+            cause = f"{type(exc).__name__}: {exc}"
+            logger.error("omniinfer: placement migration decided at pass %d (layout %s) failed "
+                         "on rank %d: %s", pass_id, layout, self.rank, cause)
+            logger.debug("omniinfer: placement migration failure on rank %d", self.rank,
+                         exc_info=True)
+        verdict = torch.tensor([0 if cause else 1], dtype=torch.int64)
         dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=self.group)
-        latest = torch.tensor([self.passes], dtype=torch.int64)
-        dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=self.group)
         layers = sorted({c.layer for c in copies})
         record.update(
             layers=layers, slots_copied=len(copies),
             remote_copies=sum(1 for c in copies if not c.is_local),
-            bytes_staged=staged.nbytes,
+            bytes_staged=weights.nbytes,
             staging_ms=round(1000 * (time.perf_counter() - started), 3), staged_unix=time.time(),
         )
         if int(verdict.item()) == 0:
-            record["state"] = "failed; old layout kept"
-            if self.planner is not None:
-                slots = old_map[self.moe_layers].reshape(len(self.moe_layers), self.num_ranks, self.per_rank)
-                self.planner.placement = Placement(slots.copy(), self.num_experts)
-            self._remember("migrations", record)
-            self._write_status()
-            return
-        self.applied.clear()
-        self.pending = Staged(int(latest.item()) + SWITCH_DELAY_PASSES, new_map, metadata, layers, staged, record)
-        self.applied.wait()
-        self.map = new_map
+            self._failed(record, cause, old_map)
+        elif self._switch_agreed(Staged(new_map, metadata, layers, weights, record)):
+            self.map = new_map
+            self.status["counters"]["migrations_adopted"] += 1
+            logger.info("omniinfer: placement migration adopted on rank %d: %s", self.rank, record)
+        else:
+            record["state"] = "abandoned: a rank was not ready at the switch pass; old layout kept"
+            self.status["counters"]["migrations_abandoned"] += 1
+            self._reset_planner(old_map)
         self._remember("migrations", record)
         self._write_status()
-        logger.info("omniinfer: placement migration adopted on rank %d: %s", self.rank, record)
+
+    def _switch_agreed(self, staged: Staged) -> bool:
+        """Agree on a pass a little ahead of the slowest rank and post the layout for it; every
+        rank votes at that pass (:class:`SwitchAgreement`). If a rank was not ready, every rank
+        aborts that attempt and the next one waits 4x longer; True iff switched everywhere."""
+        delay = SWITCH_DELAY_PASSES
+        for attempt in range(1, SWITCH_ATTEMPTS + 1):
+            latest = torch.tensor([self.passes], dtype=torch.int64)
+            dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=self.group)
+            target = int(latest.item()) + delay
+            self.versions += 1
+            if self.agreement.propose(self.versions, target, staged):
+                return True
+            self.status["counters"]["switches_aborted"] += 1
+            staged.record.setdefault("aborted_switch_passes", []).append(target)
+            logger.warning("omniinfer: placement switch at pass %d aborted on rank %d: not every "
+                           "rank was ready (attempt %d of %d)", target, self.rank, attempt,
+                           SWITCH_ATTEMPTS)
+            delay *= 4
+        return False
+
+    def _failed(self, record: dict[str, Any], cause: str | None, old_map: np.ndarray) -> None:
+        """A staging failed somewhere: gather every rank's cause, count and report it, and
+        remember the layout so that rank 0 does not propose it again."""
+        gathered: list[str | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, cause, group=self.group)
+        causes = {str(rank): c for rank, c in enumerate(gathered) if c is not None}
+        layout = record["layout"]
+        record.update(state="failed; old layout kept", causes=causes)
+        self.status["counters"]["migrations_failed"] += 1
+        self.status["last_failure"] = {"layout": layout, "decided_at_pass": record["decided_at_pass"],
+                                       "causes": causes, "unix": time.time()}
+        self.failed_layouts[layout] = causes
+        while len(self.failed_layouts) > FAILED_LAYOUTS_LIMIT:
+            del self.failed_layouts[next(iter(self.failed_layouts))]
+        self._reset_planner(old_map)
+        if self.rank == 0:
+            logger.warning("omniinfer: placement migration decided at pass %d failed (%s); old "
+                           "layout kept, layout %s will not be proposed again",
+                           record["decided_at_pass"], _causes_text(causes), layout)
+
+    def _reset_planner(self, current: np.ndarray) -> None:
+        """Rank 0: the planner plans from the layout that serves, not from one never adopted."""
+        if self.planner is not None:
+            slots = current[self.moe_layers].reshape(len(self.moe_layers), self.num_ranks, self.per_rank)
+            self.planner.placement = Placement(slots.copy(), self.num_experts)
 
     # -------------------------------------------------------------------- status
 
@@ -296,3 +376,13 @@ def _weights_platform(weights: Any) -> Platform:
         for tensor in tensors:
             return for_tensor(tensor)
     return CPU
+
+
+def layout_signature(physical_to_logical: np.ndarray) -> str:
+    """A short stable name of a whole physical-to-logical map (the same on every rank)."""
+    data = np.ascontiguousarray(physical_to_logical, dtype=np.int64).tobytes()
+    return hashlib.sha1(data).hexdigest()[:16]
+
+
+def _causes_text(causes: dict[str, str]) -> str:
+    return "; ".join(f"rank {rank}: {cause}" for rank, cause in causes.items()) or "no cause"
