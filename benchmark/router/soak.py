@@ -18,6 +18,15 @@ a worker hangs, the index growing to its cap), so it may step up and then stays 
 
   python benchmark/router/soak.py --minutes 20 --rate 10
   python benchmark/router/soak.py --minutes 5 --max-tree-size 16384   # caps reached early
+
+With --hostile it runs ``hostile.py`` instead: the router against a compromised worker
+(``hostile_worker.py``: load-feed and KV-event floods, a huge page, resequencing, an endless
+replay, endless and huge control answers, 1e308 loads, secrets at depth), checking /liveness p99
+< 100 ms, RSS < 300 MiB, every request answered and no secret read; results in
+soak_hostile.json / .png:
+
+  python benchmark/router/soak.py --hostile                     # 30 s, all attacks at once
+  python benchmark/router/soak.py --hostile --hostile-each --hostile-secs 10   # each, then all
 """
 
 from __future__ import annotations
@@ -40,6 +49,8 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attacks import ADMIN_KEY, WEIGHTS, attack, router_flags  # noqa: E402
+from hostile import add_arguments as add_hostile_arguments  # noqa: E402
+from hostile import run as run_hostile  # noqa: E402
 
 from omniinfer.launch import free_port  # noqa: E402
 from omniinfer.proxy.process import RouterProcess  # noqa: E402
@@ -320,8 +331,12 @@ def main() -> int:
                     help="the router's prefix-index cap in tokens per worker (default: its own)")
     ap.add_argument("--attacks", action=argparse.BooleanOptionalAction, default=True,
                     help="mix in the attacks of attacks.py (--no-attacks: plain traffic)")
-    ap.add_argument("--out", default=str(HERE / "soak.json"))
+    ap.add_argument("--out", help="results JSON (default soak.json, or soak_hostile.json)")
+    add_hostile_arguments(ap)
     args = ap.parse_args()
+    args.out = args.out or str(HERE / ("soak_hostile.json" if args.hostile else "soak.json"))
+    if args.hostile:
+        return run_hostile(args)
     global ATTACKS
     ATTACKS = args.attacks
     random.seed(args.seed)
