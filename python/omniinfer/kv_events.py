@@ -187,6 +187,8 @@ def _typed(payload: bytes) -> Batch | None:
         raw = _TYPED.decode(payload)
     except (msgspec.ValidationError, msgspec.DecodeError):
         return None
+    except RecursionError:  # msgspec bounds nesting depth: no schema of ours nests that deep
+        raise ProtocolError("payload nested too deeply") from None
     events: list[Event] = []
     for item in raw.events:
         if type(item) is _StoredIn:
@@ -204,7 +206,8 @@ def _typed(payload: bytes) -> Batch | None:
 
 
 def decode_batch(payload: bytes) -> Batch:
-    """Decode one payload frame; ``ProtocolError`` if it is not a KVEventBatch."""
+    """Decode one payload frame; ``ProtocolError`` if it is not a KVEventBatch (nesting past
+    msgspec's depth bound included: never ``RecursionError``)."""
     fast = _typed(payload)
     return fast if fast is not None else _tolerant(payload)
 
@@ -215,6 +218,8 @@ def _tolerant(payload: bytes) -> Batch:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"payload is not msgpack: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("payload nested too deeply") from None
     if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
         raise ProtocolError("payload must be an array [ts, events, attn_dp_rank]")
     ts = raw[0] if isinstance(raw[0], (int, float)) else 0.0

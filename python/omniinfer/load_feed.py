@@ -61,11 +61,15 @@ def encode_load(stat: LoadStat) -> bytes:
 
 def decode_load(payload: bytes) -> LoadStat:
     """The reading in ``payload``; ``ProtocolError`` unless it is a ``LoadStat`` array with at
-    least the four original fields, all integers (fields a newer SGLang appends are ignored)."""
+    least the four original fields, all integers (fields a newer SGLang appends are ignored).
+    Integers are only checked non-negative: the router clamps their size
+    (``omniinfer.proxy.workers.load_count``). Never ``RecursionError``."""
     try:
         raw = _DECODER.decode(payload)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"not msgpack: {exc}") from None
+    except RecursionError:  # msgspec bounds nesting depth; a reading is a flat array
+        raise ProtocolError("nested too deeply") from None
     if not isinstance(raw, list) or not raw or raw[0] != "LoadStat":
         raise ProtocolError("not a LoadStat array")
     values = raw[1:1 + len(_FIELDS)]

@@ -12,6 +12,12 @@ router block belongs to the page holding its last token: stored with it, removed
 reference count per router block and keeps the worker's ``PrefixIndex`` entry equal to the
 blocks with a count above zero. ``SequenceCheck`` classifies sequence numbers (in order, gap,
 restart). All pure: the sockets are in ``kv_subscriber.py``.
+
+Bounds, since a worker's events are not trusted: a page longer than ``max_page_tokens`` is
+refused (counted in ``oversized_events``); a worker's publishers together keep at most
+``max_tokens`` tokens of stored runs (past it the oldest stores are forgotten first, counted in
+``evicted_pages``) and each at most ``max_pages`` pages (past it that publisher's view is
+reset). Storing one event costs time linear in its tokens and pages, whatever the page size.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from omniinfer.kv_events import GPU_MEDIA, Batch, Cleared, Removed, Stored
 from omniinfer.proxy.prefix import ROOT_HASH, PrefixIndex, chain_hash
 
 _EMPTY: tuple[int, ...] = ()
+DEFAULT_MAX_TOKENS = 1 << 24  # per worker, as --max-tree-size's default
+DEFAULT_MAX_PAGE_TOKENS = 1 << 14  # SGLang pages hold 1..256 tokens in practice
+_STAMPS = itertools.count()  # the order runs were stored in, over every chain
 
 
 @dataclasses.dataclass
@@ -36,6 +45,8 @@ class ChainStats:
     unknown_removals: int = 0  # removal of a page never seen
     ignored_events: int = 0  # other media (host/disk tiers), LoRA / salted namespaces
     malformed_events: int = 0
+    oversized_events: int = 0  # pages longer than max_page_tokens: refused
+    evicted_pages: int = 0  # forgotten, oldest first, to keep the worker within max_tokens
 
 
 class _Run:
@@ -45,9 +56,12 @@ class _Run:
     page's own place — the router hash before its end and the tokens after it — is worked out
     only when a later event names it as parent. So storing a run costs one chained hash per
     router block and no Python work per page (SGLang on CPU and the emulator page by 1 token).
+    ``live`` counts the chain's pages that still map to this run; ``stamp`` orders runs by
+    age (for the token budget).
     """
 
-    __slots__ = ("previous", "tail", "tokens", "page", "pages", "hashes")
+    __slots__ = ("previous", "tail", "tokens", "page", "pages", "hashes", "live", "stamp",
+                 "_positions")
 
     def __init__(self, previous: int, tail: tuple[int, ...], tokens: tuple[int, ...],
                  page: int, pages: tuple[int, ...], block_size: int) -> None:
@@ -59,6 +73,9 @@ class _Run:
             previous = chain_hash(previous, buffer[start:start + block_size])
             hashes.append(previous)
         self.hashes = hashes
+        self.live = 0
+        self.stamp = next(_STAMPS)
+        self._positions: dict[int, int] | None = None
 
     def ends(self, block_size: int) -> dict[int, tuple[int, ...]]:
         """Page hash -> the router blocks whose last token is in that page (pages with any)."""
@@ -67,14 +84,30 @@ class _Run:
                   for last in range(first, first + len(self.hashes) * block_size, block_size)]
         if self.page <= block_size:  # one block per page at most
             return dict(zip(owners, zip(self.hashes, strict=True), strict=True))
-        out: dict[int, tuple[int, ...]] = {}
+        lists: dict[int, list[int]] = {}  # built once: growing tuples is quadratic in a page
         for owner, h in zip(owners, self.hashes, strict=True):
-            out[owner] = out.get(owner, ()) + (h,)
-        return out
+            found = lists.get(owner)
+            if found is None:
+                lists[owner] = [h]
+            else:
+                found.append(h)
+        return {owner: tuple(blocks) for owner, blocks in lists.items()}
+
+    def position(self, page_hash: int) -> int:
+        """The index of ``page_hash`` (its first occurrence) in ``pages``: a scan for a short
+        run, a map made once for a long one (else naming a parent late in a long run is
+        linear per child event)."""
+        if len(self.pages) <= 32:
+            return self.pages.index(page_hash)
+        if self._positions is None:
+            count = len(self.pages)
+            self._positions = dict(zip(reversed(self.pages), range(count - 1, -1, -1),
+                                       strict=True))
+        return self._positions[page_hash]
 
     def place(self, page_hash: int, block_size: int) -> tuple[int, tuple[int, ...]]:
         """(router hash of the last full block before the page's end, tokens after it)."""
-        i = self.pages.index(page_hash)  # a scan in C, done once per child event
+        i = self.position(page_hash)
         end = len(self.tail) + min((i + 1) * self.page, len(self.tokens))
         full = end // block_size
         previous = self.hashes[full - 1] if full else self.previous
@@ -85,14 +118,20 @@ class _Run:
 
 
 class PageChain:
-    """One publisher's pages, each mapped onto the router's block grid."""
+    """One publisher's pages, each mapped onto the router's block grid.
 
-    def __init__(self, block_size: int) -> None:
+    ``tokens`` counts the tokens of the stored runs some page still maps to (what the chain
+    holds); ``len`` counts pages."""
+
+    def __init__(self, block_size: int, max_page_tokens: int = DEFAULT_MAX_PAGE_TOKENS) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
+        self.max_page_tokens = max_page_tokens
         self._pages: dict[int, _Run] = {}  # page hash -> the run it was stored in
         self._ends: dict[int, tuple[int, ...]] = {}  # page hash -> router blocks ending in it
+        self._runs: collections.OrderedDict[_Run, None] = collections.OrderedDict()  # oldest 1st
+        self.tokens = 0
         self.stats = ChainStats()
 
     def __len__(self) -> int:
@@ -104,6 +143,9 @@ class PageChain:
             self.stats.ignored_events += 1
             return []
         count, page, tokens = len(event.hashes), event.block_size, event.tokens
+        if page > self.max_page_tokens:
+            self.stats.oversized_events += 1
+            return []
         if count == 0 or not (count - 1) * page < len(tokens) <= count * page:
             self.stats.malformed_events += 1
             return []
@@ -125,10 +167,28 @@ class PageChain:
         return self._add(run, ends)
 
     def _add(self, run: _Run, ends: dict[int, tuple[int, ...]] | None = None) -> list[int]:
-        self._pages.update(zip(run.pages, itertools.repeat(run)))
+        if self._pages.keys().isdisjoint(run.pages):  # the usual case: no Python per page
+            before = len(self._pages)
+            self._pages.update(zip(run.pages, itertools.repeat(run)))
+            run.live = len(self._pages) - before  # distinct pages
+        else:  # pages taken over from older runs: those hold one page fewer each
+            for h in dict.fromkeys(run.pages):
+                old = self._pages.get(h)
+                if old is not None:
+                    self._drop(old)
+                self._pages[h] = run
+                run.live += 1
         self._ends.update(run.ends(self.block_size) if ends is None else ends)
+        self._runs[run] = None
+        self.tokens += len(run.tokens)
         self.stats.stored_pages += len(run.pages)
         return list(run.hashes)
+
+    def _drop(self, run: _Run, pages: int = 1) -> None:
+        """``pages`` pages of ``run`` are gone; the run (and its tokens) goes with its last."""
+        run.live -= pages
+        if run.live <= 0 and self._runs.pop(run, False) is None:
+            self.tokens -= len(run.tokens)
 
     def _store_known(self, event: Stored, previous: int, tail: tuple[int, ...]) -> list[int]:
         """Some pages are stored again (a replay, a repeated store): already counted, so only
@@ -156,17 +216,40 @@ class PageChain:
         if event.medium not in GPU_MEDIA:
             self.stats.ignored_events += 1
             return []
-        unknown = list(map(self._pages.pop, event.hashes, itertools.repeat(None))).count(None)
+        runs = collections.Counter(map(self._pages.pop, event.hashes, itertools.repeat(None)))
+        unknown = runs.pop(None, 0)
+        for run, pages in runs.items():  # counted in C: a Python step per run, not per page
+            self._drop(run, pages)
         self.stats.unknown_removals += unknown
         self.stats.removed_pages += len(event.hashes) - unknown
         ends = map(self._ends.pop, event.hashes, itertools.repeat(None))
         return [h for blocks in ends if blocks for h in blocks]
+
+    def oldest(self) -> int | None:
+        """The stamp of the oldest run still held (None when empty)."""
+        return next(iter(self._runs)).stamp if self._runs else None
+
+    def evict_oldest(self) -> list[int]:
+        """Forget the oldest run still held (its pages that still map to it); the router
+        blocks they held."""
+        run, _ = self._runs.popitem(last=False)
+        self.tokens -= len(run.tokens)
+        released: list[int] = []
+        for h in run.pages:
+            if self._pages.get(h) is run:
+                del self._pages[h]
+                self.stats.evicted_pages += 1
+                released.extend(self._ends.pop(h, ()))
+        run.live = 0
+        return released
 
     def clear(self) -> list[int]:
         """Forget every page; the router blocks they held."""
         released = [h for blocks in self._ends.values() for h in blocks]
         self._pages.clear()
         self._ends.clear()
+        self._runs.clear()
+        self.tokens = 0
         return released
 
 
@@ -174,12 +257,15 @@ class WorkerCacheTruth:
     """One worker's cache as router blocks: the union of its publishers' pages → its index."""
 
     def __init__(self, key: str, index: PrefixIndex, block_size: int, sources: int = 1,
-                 max_pages: int = 1 << 22, pending_s: float = 30.0) -> None:
+                 max_pages: int = 1 << 22, pending_s: float = 30.0, *,
+                 max_tokens: int = DEFAULT_MAX_TOKENS,
+                 max_page_tokens: int = DEFAULT_MAX_PAGE_TOKENS) -> None:
         self.key = key
         self.max_pages = max_pages  # per publisher; beyond it that publisher's view is reset
+        self.max_tokens = max_tokens  # over all publishers; beyond it the oldest go first
         self.overflows = 0
         self.index = index
-        self.chains = [PageChain(block_size) for _ in range(max(1, sources))]
+        self.chains = [PageChain(block_size, max_page_tokens) for _ in range(max(1, sources))]
         self._counts: dict[int, int] = {}
         # Sent but not yet reported: a prompt's blocks count as held from the moment the router
         # sends it until the worker's events store them (its prefill is done) or ``pending_s``
@@ -207,6 +293,24 @@ class WorkerCacheTruth:
         if len(chain) > self.max_pages:  # a publisher that never evicts cannot grow us forever
             self.overflows += 1
             self.reset(source)
+        if self.tokens() > self.max_tokens:
+            self._evict()
+
+    def tokens(self) -> int:
+        """Tokens of the stored runs the worker's publishers still hold pages of."""
+        return sum(chain.tokens for chain in self.chains)
+
+    def _evict(self) -> None:
+        """Forget the oldest stores, over all publishers, until within ``max_tokens``."""
+        total = self.tokens()
+        while total > self.max_tokens:
+            held = [(c.oldest(), i) for i, c in enumerate(self.chains) if c.oldest() is not None]
+            if not held:
+                return
+            chain = self.chains[min(held)[1]]
+            before = chain.tokens
+            self._release(chain.evict_oldest())
+            total -= before - chain.tokens
 
     def reset(self, source: int | None = None) -> None:
         """Forget what ``source`` (or every source) said: after a gap, a restart, a re-admission
@@ -271,6 +375,7 @@ class WorkerCacheTruth:
         stats = [dataclasses.asdict(c.stats) for c in self.chains]
         total = {k: sum(s[k] for s in stats) for k in stats[0]}
         return {"router_blocks": self.blocks(), "worker_pages": sum(len(c) for c in self.chains),
+                "worker_tokens": self.tokens(),
                 "pending_blocks": len(self._pending), "expired_pending_blocks": self.expired,
                 "batches": self.batches, "cleared": self.cleared, "resets": self.resets,
                 "overflows": self.overflows, **total}

@@ -56,6 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="publishers (DP ranks) a worker's /server_info may name")
     r.add_argument("--kv-events-max-pages", type=int,
                    help="pages remembered per publisher; past it that view is reset")
+    r.add_argument("--kv-events-max-tokens", type=int,
+                   help="tokens of stored pages remembered per worker, over its DP ranks; past "
+                   "it the oldest stores are forgotten first (default 0: --max-tree-size)")
+    r.add_argument("--kv-events-max-message-bytes", type=int,
+                   help="largest KV-event message accepted (default 4 MiB); a larger one "
+                   "drops that connection, and the router forgets and resubscribes")
     r.add_argument("--oas-ttft-slo-secs", type=float,
                    help="oas: the TTFT objective; waiting requests that can still meet it are "
                    "released before those that no longer can (which the hold bound still "

@@ -31,7 +31,7 @@ from omniinfer.proxy.circuit import CircuitBreaker
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.control import IDENTITY, control_cap, read_capped, supervise
 from omniinfer.proxy.http1 import Http1Pool
-from omniinfer.proxy.kv_subscriber import CacheTruth, parse_endpoint_overrides
+from omniinfer.proxy.kv_subscriber import CacheTruth, KvLimits, parse_endpoint_overrides
 from omniinfer.proxy.listener import Listener
 from omniinfer.proxy.load_feed import LoadFeeds
 from omniinfer.proxy.metrics import AccessLog, ProxyMetrics
@@ -60,14 +60,21 @@ class Router:
             self.pool.add(self.make_worker(url, Role.PREFILL, port))
         for url in config.decode_urls:
             self.pool.add(self.make_worker(url, Role.DECODE))
+        self.metrics = ProxyMetrics(self.pool)
         blocks = max(1, config.max_tree_size // config.apc_block_size)
         self.indexes = {role: PrefixIndex(blocks) for role in Role}
         self.cache_truth = CacheTruth(config.cache_truth, config.apc_block_size, self.indexes,
                                       self.get_json,
                                       parse_endpoint_overrides(config.kv_events_endpoints),
-                                      config.kv_events_max_dp_size, config.kv_events_max_pages)
+                                      config.kv_events_max_dp_size, config.kv_events_max_pages,
+                                      max_tokens=config.kv_events_max_tokens
+                                      or config.max_tree_size,
+                                      limits=KvLimits(max_message_bytes=config
+                                                      .kv_events_max_message_bytes),
+                                      on_failure=self.metrics.task_failed)
         self.load_feeds = LoadFeeds(config.load_feed, self.get_json, self._loads_changed,
-                                    config.kv_events_max_dp_size)
+                                    config.kv_events_max_dp_size,
+                                    on_failure=self.metrics.task_failed)
         self.policies: dict[Role, Policy] = {
             role: create_policy(config.policy_for(role.value),
                                 PolicyContext(config, self.indexes[role], role))
@@ -75,7 +82,6 @@ class Router:
         }
         self.admission = Admission(config.max_concurrent_requests, config.queue_size,
                                    config.queue_timeout_secs)
-        self.metrics = ProxyMetrics(self.pool)
         self.access_log = AccessLog(config.access_log, config.access_log_max_bytes,
                                     config.access_log_backups) if config.access_log else None
         self.session_headers = ({"Authorization": f"Bearer {config.api_key}"}

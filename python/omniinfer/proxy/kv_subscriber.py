@@ -13,13 +13,21 @@ it that is not sequence 0 asks the replay socket for 0 onwards. A sequence that 
 without a disconnect is a restart, handled the same way. A worker without events keeps the
 router's own index (insert on route), with a warning. The router's hot path never waits on any
 of this.
+
+A publisher is not trusted (``KvLimits`` in ``kv_sources.py``): its socket queues a bounded
+number of bounded messages (a larger one drops the connection; the reader then forgets and
+dials again on a fresh socket), one wake-up applies a bounded number of batches before
+yielding, a replay is bounded in time, entries and bytes, and a failed replay is not retried
+within its timeout. A message that is not ``[topic, seq, payload]`` is counted and dropped
+without touching the sequence state; an undecodable payload forgets that publisher's pages.
+Warnings are rate-limited per publisher and kind. A reader that fails is logged, counted,
+reported (``on_failure``) and restarted; it never dies silently.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -29,131 +37,64 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from omniinfer.kv_events import (
-    END_OF_REPLAY,
-    WILDCARD_HOSTS,
-    ProtocolError,
-    decode_batch,
-    dial_endpoint,
-    offset_port,
-    parse_kv_events_config,
-    seq_bytes,
-    seq_from,
-    split_tcp,
+from omniinfer.kv_events import ProtocolError, decode_batch, seq_from
+from omniinfer.proxy.cache_truth import (
+    DEFAULT_MAX_PAGE_TOKENS,
+    DEFAULT_MAX_TOKENS,
+    SequenceCheck,
+    WorkerCacheTruth,
 )
-from omniinfer.net import is_loopback
-from omniinfer.proxy.cache_truth import SequenceCheck, WorkerCacheTruth
+from omniinfer.proxy.control import FailureHook, Supervisor, WarningLimiter
+from omniinfer.proxy.kv_sources import (
+    KvLimits,
+    NoEvents,
+    ReplayError,
+    Source,
+    dial_rank,
+    fetch_replay,
+    sources_from_server_info,
+)
 from omniinfer.proxy.prefix import PrefixIndex
-from omniinfer.proxy.subscriptions import WorkerSubscriptions
+from omniinfer.proxy.subscriptions import WorkerSubscriptions, bounded_socket
 from omniinfer.proxy.workers import Role, Worker
 
+__all__ = ["MODES", "CacheTruth", "KvLimits", "NoEvents", "Source", "WorkerSubscription",
+           "dial_rank", "parse_endpoint_overrides", "sources_from_server_info"]
 log = logging.getLogger("omniinfer.proxy")
 MODES = ("router", "kv-events")
-REPLAY_TIMEOUT_S = 2.0
-DRAIN_BATCHES = 64
 FetchJson = Callable[[Worker, str, float], Awaitable[Any]]
+_WARNINGS = WarningLimiter()  # per publisher endpoint and kind of fault
 
 
-class NoEvents(Exception):
-    """This worker publishes no usable KV events (the reason is the message)."""
-
-
-@dataclasses.dataclass
-class Source:
-    """One publisher (one DP rank) of a worker, and what the router saw of it."""
-
-    endpoint: str
-    topic: str = ""
-    replay: str | None = None
-    last_seq: int | None = None
-    gaps: int = 0
-    restarts: int = 0
-    replays: int = 0  # completed replays (late join, or a gap filled)
-    malformed: int = 0
-    connected: bool = False
-    disconnects: int = 0
-    last_batch_at: float | None = None
-
-    def describe(self) -> dict[str, Any]:
-        age = None if self.last_batch_at is None else round(time.time() - self.last_batch_at, 3)
-        return {"endpoint": self.endpoint, "topic": self.topic, "replay": self.replay,
-                "connected": self.connected, "disconnects": self.disconnects,
-                "last_seq": self.last_seq, "gaps": self.gaps, "restarts": self.restarts,
-                "replays": self.replays, "malformed": self.malformed, "last_batch_age_s": age}
-
-
-def _ranks(value: Any, max_ranks: int) -> int:
-    if value is None:
-        return 1
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= max_ranks:
-        raise NoEvents(f"dp_size {value!r} is not within 1..{max_ranks} "
-                       "(--kv-events-max-dp-size)")
-    return value
-
-
-def dial_rank(endpoint: str, rank: int, worker_host: str) -> str:
-    """Rank ``rank``'s endpoint, dialled on the worker's own host; NoEvents if it names another
-    host or a port out of range (a worker's answer must not point the router elsewhere)."""
-    try:
-        host, _ = split_tcp(endpoint)
-        dialled = dial_endpoint(offset_port(endpoint, rank), worker_host)
-    except ValueError as exc:
-        raise NoEvents(f"unusable endpoint: {exc}") from None
-    bare, own = host.strip("[]"), worker_host.strip("[]")
-    if host not in WILDCARD_HOSTS and bare != own and not (is_loopback(bare) and is_loopback(own)):
-        raise NoEvents(f"endpoint host {host!r} is not the worker's host {worker_host!r}")
-    return dialled
-
-
-def sources_from_server_info(info: Any, worker_host: str, max_ranks: int = 64
-                             ) -> tuple[list[Source], int | None]:
-    """The publishers a worker's ``/server_info`` advertises, and its page size; or NoEvents.
-
-    Trusted no further than needed: at most ``max_ranks`` publishers, valid ports, and only on
-    the worker's own host."""
-    if not isinstance(info, dict):
-        raise NoEvents("no /server_info answer")
-    block = info.get("kv_events")
-    if isinstance(block, dict) and isinstance(block.get("endpoint_port_base"), int):
-        host = str(block.get("endpoint_host") or "*")
-        base = block["endpoint_port_base"]
-        ranks = _ranks(block.get("dp_size"), max_ranks)
-        replay = block.get("replay_endpoint_port_base")
-        topic = str(block.get("topic") or "")
-        endpoint = f"tcp://{host}:{base}"
-        replay_endpoint = f"tcp://{host}:{replay}" if isinstance(replay, int) else None
-        size = block.get("block_size")
-    else:
-        raw = info.get("kv_events_config")
-        if not raw:
-            raise NoEvents("the worker publishes no KV events (start it with --kv-events-config)")
-        try:
-            config = parse_kv_events_config(raw)
-        except (ValueError, TypeError) as exc:
-            raise NoEvents(f"its kv_events_config is unusable: {exc}") from None
-        if not config.enabled:
-            raise NoEvents("its kv_events_config publisher is 'null'")
-        ranks = _ranks(info.get("dp_size"), max_ranks)
-        endpoint, replay_endpoint, topic = config.endpoint, config.replay_endpoint, config.topic
-        size = info.get("page_size")
-    sources = [Source(dial_rank(endpoint, r, worker_host), topic,
-                      dial_rank(replay_endpoint, r, worker_host) if replay_endpoint else None)
-               for r in range(ranks)]
-    return sources, size if isinstance(size, int) and not isinstance(size, bool) else None
+def _warn(source: Source, kind: str, message: str, *args: Any,
+          level: int = logging.WARNING) -> None:
+    """Log a fault of ``source`` (what it sent, or its connection), rate-limited."""
+    _WARNINGS.warn(log, f"{kind} {source.endpoint}", message, *args, level=level)
 
 
 class WorkerSubscription:
-    """The subscriber tasks of one worker (one per publisher)."""
+    """The subscriber tasks of one worker (one per publisher).
+
+    Each task reads its publisher within ``limits`` (``KvLimits``) and never dies: a failure is
+    logged with its traceback, counted (``Source.failures``), reported to ``on_failure`` (with
+    ``"kv-events"``), forgets that publisher's pages and starts over after a backoff. Warnings
+    about what a publisher sends are rate-limited per publisher and kind."""
 
     def __init__(self, worker: Worker, truth: WorkerCacheTruth, sources: list[Source],
-                 page_size: int | None, ctx: zmq.asyncio.Context) -> None:
+                 page_size: int | None, ctx: zmq.asyncio.Context,
+                 limits: KvLimits | None = None, on_failure: FailureHook | None = None) -> None:
         self.worker = worker
         self.truth = truth
         self.sources = sources
         self.page_size = page_size
+        self.limits = limits or KvLimits()
         self._ctx = ctx
-        self._tasks = [asyncio.get_running_loop().create_task(self._run(i))
-                       for i in range(len(sources))]
+        self._supervisor = Supervisor("kv-events", on_failure, self.limits.restart_backoff_s,
+                                      limiter=_WARNINGS)
+        self._replay_after = [0.0] * len(sources)  # monotonic: no replay before, after a failed one
+        loop = asyncio.get_running_loop()
+        self._tasks = [self._supervisor.watch(loop.create_task(self._run(i)), s.endpoint)
+                       for i, s in enumerate(sources)]
 
     def cancel(self) -> None:
         for task in self._tasks:
@@ -167,10 +108,19 @@ class WorkerSubscription:
 
     async def _run(self, index: int) -> None:
         source = self.sources[index]
-        while True:
-            sock = self._ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, 100_000)
+
+        def failed() -> None:
+            source.failures += 1
+            self.truth.reset(index)  # what it missed meanwhile is unknown: start from nothing
+
+        await self._supervisor.run(source.endpoint, lambda: self._session(index, source), failed)
+
+    async def _session(self, index: int, source: Source) -> None:
+        """Read one publisher until cancelled or until something raises."""
+        limits = self.limits
+        sock = bounded_socket(self._ctx, zmq.SUB, limits.max_message_bytes, limits.queue_messages)
+        monitor: zmq.asyncio.Socket | None = None
+        try:
             sock.subscribe(source.topic.encode())
             monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             sock.connect(source.endpoint)
@@ -178,49 +128,55 @@ class WorkerSubscription:
             poller.register(sock, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
             check = SequenceCheck()
-            try:
-                while True:
-                    ready = dict(await poller.poll())
-                    if monitor in ready:  # first: a disconnect precedes what comes after it
-                        self._connection(index, source, check,
-                                         parse_monitor_message(await monitor.recv_multipart()))
-                    if sock in ready:
-                        await self._drain(index, source, check, sock, monitor)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug or a broken socket: start over from nothing
-                log.exception("kv events %s: subscriber failed; re-subscribing", source.endpoint)
-                self.truth.reset(index)
-                await asyncio.sleep(1.0)
-            finally:
-                source.connected = False
-                sock.disable_monitor()
+            while True:
+                ready = dict(await poller.poll())
+                if monitor in ready:  # first: a disconnect precedes what comes after it
+                    event = parse_monitor_message(await monitor.recv_multipart())
+                    if self._connection(index, source, check, event):
+                        return  # a fresh socket: ZMQ does not redial after a protocol error
+                if sock in ready:
+                    await self._drain(index, source, check, sock, monitor)
+                await asyncio.sleep(0)  # a flooding publisher must not hold the event loop
+        finally:
+            source.connected = False
+            if monitor is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.disable_monitor()
                 monitor.close(linger=0)
-                sock.close(linger=0)
+            sock.close(linger=0)
 
     async def _drain(self, index: int, source: Source, check: SequenceCheck,
                      sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
-        """Apply the batches already queued (up to ``DRAIN_BATCHES``) in one wake-up: under
-        load a poll per batch cost more than the batch. Stops early if the monitor has news,
-        so a disconnect is still seen before what follows it."""
-        for _ in range(DRAIN_BATCHES):
-            await self._handle(index, source, check, await sock.recv_multipart())
-            if monitor.get(zmq.EVENTS) & zmq.POLLIN or not sock.get(zmq.EVENTS) & zmq.POLLIN:
+        """Apply the batches already queued (up to ``drain_batches`` or ``drain_bytes``) in one
+        wake-up: under load a poll per batch cost more than the batch. Stops early if the
+        monitor has news, so a disconnect is still seen before what follows it."""
+        size = 0
+        for _ in range(self.limits.drain_batches):
+            frames = await sock.recv_multipart()
+            size += sum(map(len, frames))
+            await self._handle(index, source, check, frames)
+            if size >= self.limits.drain_bytes or monitor.get(zmq.EVENTS) & zmq.POLLIN \
+                    or not sock.get(zmq.EVENTS) & zmq.POLLIN:
                 return
 
     def _connection(self, index: int, source: Source, check: SequenceCheck,
-                    event: dict[str, Any]) -> None:
+                    event: dict[str, Any]) -> bool:
+        """Note a monitor event; True when the connection was lost (the session then ends and
+        a new socket dials again)."""
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             source.connected = True
-            log.info("kv events %s: connected", source.endpoint)
+            _warn(source, "connected", "kv events %s: connected", source.endpoint,
+                       level=logging.INFO)
         elif event["event"] == zmq.EVENT_DISCONNECTED:
             source.connected = False
             source.disconnects += 1
             source.last_seq = None
             check.expected = None  # what comes next is read like a late join
             self.truth.reset(index)
-            log.warning("kv events %s: connection lost; forgetting this publisher's pages until "
-                        "it is back", source.endpoint)
+            _warn(source, "disconnected", "kv events %s: connection lost; forgetting this "
+                       "publisher's pages until it is back", source.endpoint)
+            return True
+        return False
 
     async def _handle(self, index: int, source: Source, check: SequenceCheck,
                       frames: list[bytes]) -> None:
@@ -229,31 +185,31 @@ class WorkerSubscription:
                 raise ProtocolError(f"{len(frames)} frames, expected topic, sequence, payload")
             seq = seq_from(frames[1])
         except ProtocolError as exc:
+            # Not a batch at all: nothing in sequence was lost by it, so the sequence state and
+            # the pages stay; if it hid a real batch, the next one shows the gap.
             source.malformed += 1
-            log.warning("kv events %s: malformed message: %s; forgetting this publisher's "
-                        "pages", source.endpoint, exc)
-            self.truth.reset(index)  # what it lost is unknown: predict nothing rather than stale
-            check.expected = None
+            _warn(source, "malformed", "kv events %s: malformed message dropped: %s",
+                       source.endpoint, exc)
             return
         kind = check.classify(seq)
         if kind == "restart":
             source.restarts += 1
-            log.warning("kv events %s: publisher restarted (seq %d after %d); forgetting its "
-                        "pages", source.endpoint, seq, source.last_seq)
+            _warn(source, "restart", "kv events %s: publisher restarted (seq %d after %s); "
+                       "forgetting its pages", source.endpoint, seq, source.last_seq)
             self.truth.reset(index)
         elif kind == "gap" or (kind == "first" and seq > 0):
             start = check.expected if kind == "gap" else 0
             assert start is not None
-            filled = source.replay is not None and await self._replay(index, source, start, seq)
+            filled = await self._replay(index, source, start, seq)
             if kind == "gap" and not filled:
                 source.gaps += 1
-                log.warning("kv events %s: batches %d..%d lost%s; forgetting this publisher's "
-                            "pages", source.endpoint, start, seq - 1,
-                            "" if source.replay is None else " and not replayable")
+                _warn(source, "gap", "kv events %s: batches %d..%d lost%s; forgetting this "
+                           "publisher's pages", source.endpoint, start, seq - 1,
+                           "" if source.replay is None else " and not replayed")
                 self.truth.reset(index)
             elif kind == "first" and not filled:
-                log.info("kv events %s: joined at seq %d; pages stored earlier stay unknown",
-                         source.endpoint, seq)
+                _warn(source, "joined", "kv events %s: joined at seq %d; pages stored "
+                           "earlier stay unknown", source.endpoint, seq, level=logging.INFO)
         self._apply(index, source, seq, frames[2])
         check.accept(seq)
 
@@ -262,8 +218,8 @@ class WorkerSubscription:
             batch = decode_batch(payload)
         except ProtocolError as exc:
             source.malformed += 1
-            log.warning("kv events %s: undecodable batch %d: %s; forgetting this publisher's "
-                        "pages", source.endpoint, seq, exc)
+            _warn(source, "undecodable", "kv events %s: undecodable batch %d: %s; "
+                       "forgetting this publisher's pages", source.endpoint, seq, exc)
             self.truth.reset(index)  # its stores and removals are lost: nothing stale stays
             source.last_seq = seq
             return
@@ -272,36 +228,27 @@ class WorkerSubscription:
         source.last_batch_at = time.time()
 
     async def _replay(self, index: int, source: Source, start: int, stop: int) -> bool:
-        """Apply batches ``start``..``stop - 1`` from the replay socket; False if it fell short."""
-        assert source.replay is not None
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(source.replay)
-        got: dict[int, bytes] = {}
-        try:
-            await sock.send_multipart((b"", seq_bytes(start)))
-            deadline = time.monotonic() + REPLAY_TIMEOUT_S
-            while True:
-                frames = await asyncio.wait_for(sock.recv_multipart(),
-                                                max(0.01, deadline - time.monotonic()))
-                if len(frames) != 4:
-                    return False
-                seq = seq_from(frames[2])
-                if seq == END_OF_REPLAY:
-                    break
-                if start <= seq < stop:
-                    got[seq] = frames[3]
-        except (asyncio.TimeoutError, ProtocolError, zmq.ZMQError) as exc:
-            log.warning("kv events %s: replay failed: %s", source.replay, exc or "timeout")
+        """Apply batches ``start``..``stop - 1`` from the replay socket; False if there is none,
+        if it fell short, or within ``replay_timeout_s`` of a failed one (a publisher that gaps
+        on every batch must not cost a replay each)."""
+        if source.replay is None or time.monotonic() < self._replay_after[index]:
             return False
-        finally:
-            sock.close(linger=0)
-        complete = start == 0 or sorted(got) == list(range(start, stop))
-        if complete:
-            for seq in sorted(got):
-                self._apply(index, source, seq, got[seq])
-            source.replays += 1  # counted once applied: a status reader sees its effect
-        return complete
+        try:
+            got = await fetch_replay(self._ctx, source.replay, start, stop, self.limits)
+        except ReplayError as exc:
+            source.replay_failures += 1
+            self._replay_after[index] = time.monotonic() + self.limits.replay_timeout_s
+            _warn(source, "replay", "kv events %s: replay failed: %s", source.replay, exc)
+            return False
+        if start > 0 and len(got) != stop - start:  # keys are unique and in range
+            source.replay_failures += 1
+            return False
+        for i, seq in enumerate(sorted(got)):
+            self._apply(index, source, seq, got[seq])
+            if (i + 1) % self.limits.drain_batches == 0:
+                await asyncio.sleep(0)
+        source.replays += 1  # counted once applied: a status reader sees its effect
+        return True
 
     def describe(self) -> dict[str, Any]:
         return {"cache_truth": "kv-events", "worker_page_size": self.page_size,
@@ -309,11 +256,19 @@ class WorkerSubscription:
 
 
 class CacheTruth:
-    """Which workers' indexes follow KV events, and their subscriptions."""
+    """Which workers' indexes follow KV events, and their subscriptions.
+
+    Bounds per worker: ``max_pages`` per publisher (past it that publisher's view is reset),
+    ``max_tokens`` over all its publishers (past it the oldest stores are forgotten first),
+    ``max_page_tokens`` per page (longer pages are refused) and ``limits`` per publisher
+    (``KvLimits``). ``on_failure`` hears ``"kv-events"`` each time a reader fails."""
 
     def __init__(self, mode: str, block_size: int, indexes: dict[Role, PrefixIndex],
                  fetch_json: FetchJson, explicit: dict[str, list[str]] | None = None,
-                 max_ranks: int = 64, max_pages: int = 1 << 22) -> None:
+                 max_ranks: int = 64, max_pages: int = 1 << 22, *,
+                 max_tokens: int = DEFAULT_MAX_TOKENS,
+                 max_page_tokens: int = DEFAULT_MAX_PAGE_TOKENS,
+                 limits: KvLimits | None = None, on_failure: FailureHook | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown cache truth {mode!r}: {' or '.join(MODES)}")
         self.mode = mode
@@ -323,6 +278,10 @@ class CacheTruth:
         self.explicit = explicit or {}
         self.max_ranks = max_ranks
         self.max_pages = max_pages
+        self.max_tokens = max_tokens
+        self.max_page_tokens = max_page_tokens
+        self.limits = limits or KvLimits()
+        self.on_failure = on_failure
         self.subs: WorkerSubscriptions[WorkerSubscription] = WorkerSubscriptions(mode)
 
     @property
@@ -358,9 +317,11 @@ class CacheTruth:
         index = self.indexes[worker.role]
         index.clear(worker.url)  # from now on only the worker's events fill it
         truth = WorkerCacheTruth(worker.url, index, self.block_size, len(sources),
-                                 self.max_pages)
+                                 self.max_pages, max_tokens=self.max_tokens,
+                                 max_page_tokens=self.max_page_tokens)
         self.subs.add(worker.url, WorkerSubscription(worker, truth, sources, page_size,
-                                                     self.subs.context()))
+                                                     self.subs.context(), self.limits,
+                                                     self.on_failure))
         log.info("cache truth: %s follows KV events from %s (worker page %s, router block %d)",
                  worker.url, ", ".join(s.endpoint for s in sources), page_size or "?",
                  self.block_size)

@@ -15,8 +15,14 @@ the next poll. Contracts:
 - A worker that advertises no feed, or an unusable one (too many ranks, another host, bad
   ports), is polled, with one warning naming the reason; the router never fails for it.
 - Figures the feed does not carry (``gen_throughput``) keep their last polled value.
-- Messages that do not decode are counted and skipped; the router's hot path never waits on a
-  socket.
+- Messages that do not decode are counted and skipped (warnings rate-limited per rank); the
+  router's hot path never waits on a socket.
+- A worker is not trusted: each SUB socket holds at most ``QUEUE_MESSAGES`` readings of at most
+  ``MAX_MESSAGE_BYTES`` (ZMQ drops the connection of a larger one); one wake-up reads at most
+  ``DRAIN_READINGS`` queued readings (the newest counts) and then yields to the event loop, so
+  a flood cannot stall the router; every figure is clamped (``load_count`` / ``load_rate``) as
+  a polled one is. A reader that fails is logged with its traceback, counted
+  (``RankFeed.failures``), reported to ``on_failure`` (``"load-feed"``) and restarted.
 """
 
 from __future__ import annotations
@@ -34,12 +40,17 @@ import zmq.asyncio
 
 from omniinfer.kv_events import ProtocolError, seq_from
 from omniinfer.load_feed import STALE_AFTER_S, LoadStat, decode_load
-from omniinfer.proxy.kv_subscriber import NoEvents, dial_rank
-from omniinfer.proxy.subscriptions import WorkerSubscriptions
-from omniinfer.proxy.workers import Worker, WorkerLoads
+from omniinfer.proxy.control import FailureHook, Supervisor, WarningLimiter
+from omniinfer.proxy.kv_sources import NoEvents, dial_rank
+from omniinfer.proxy.subscriptions import WorkerSubscriptions, bounded_socket
+from omniinfer.proxy.workers import MAX_LOAD_COUNT, Worker, WorkerLoads, load_count, load_rate
 
 log = logging.getLogger("omniinfer.proxy")
 MODES = ("auto", "off")
+MAX_MESSAGE_BYTES = 64 << 10  # a reading is about 60 bytes
+QUEUE_MESSAGES = 16  # only the newest reading counts
+DRAIN_READINGS = 64  # read per wake-up before yielding to the event loop
+RESUBSCRIBE_AFTER_S = 2 * STALE_AFTER_S  # a rank silent this long gets a fresh socket
 FetchJson = Callable[[Worker, str, float], Awaitable[Any]]
 
 
@@ -78,46 +89,64 @@ class RankFeed:
     last_seq: int | None = None
     readings: int = 0
     malformed: int = 0
+    failures: int = 0  # reader failures (each logged, counted, restarted)
 
     def describe(self, now: float) -> dict[str, Any]:
         age = None if self.last is None else round(now - self.heard_at, 3)
         return {"endpoint": self.endpoint, "readings": self.readings, "last_seq": self.last_seq,
-                "malformed": self.malformed, "age_s": age}
+                "malformed": self.malformed, "failures": self.failures, "age_s": age}
 
 
 def merged_loads(ranks: list[RankFeed], previous: WorkerLoads) -> WorkerLoads:
     """The worker's loads summed over its ranks' last readings (as ``WorkerLoads.from_json``
-    sums /v1/loads entries); ``gen_throughput`` kept from ``previous``."""
+    sums /v1/loads entries); ``gen_throughput`` kept from ``previous``. Every figure is clamped
+    as a polled one is: each rank's by ``load_count``, each sum to ``MAX_LOAD_COUNT``, usage by
+    ``load_rate``; so no reading (2**64 - 1 is valid msgpack) reaches the policies unbounded."""
     loads = WorkerLoads(gen_throughput=previous.gen_throughput, polled_at=time.time())
     usages = []
     for rank in ranks:
         s = rank.last
         if s is None:
             continue
-        loads.running_reqs += s.num_running_reqs
-        loads.waiting_reqs += s.num_waiting_reqs
-        loads.waiting_uncached_tokens += s.num_waiting_uncached_tokens
-        loads.used_tokens += s.num_tokens
-        loads.max_total_tokens += s.max_total_num_tokens
-        loads.max_running_reqs += s.max_running_requests
-        loads.prefill_busy_us += s.total_prefill_busy_us
-        loads.prefill_uncached_tokens += s.total_prefill_uncached_tokens
-        usages.append(s.num_tokens / s.max_total_num_tokens if s.max_total_num_tokens else 0.0)
+        used, total = load_count(s.num_tokens), load_count(s.max_total_num_tokens)
+        loads.running_reqs += load_count(s.num_running_reqs)
+        loads.waiting_reqs += load_count(s.num_waiting_reqs)
+        loads.waiting_uncached_tokens += load_count(s.num_waiting_uncached_tokens)
+        loads.used_tokens += used
+        loads.max_total_tokens += total
+        loads.max_running_reqs += load_count(s.max_running_requests)
+        loads.prefill_busy_us += load_count(s.total_prefill_busy_us)
+        loads.prefill_uncached_tokens += load_count(s.total_prefill_uncached_tokens)
+        usages.append(load_rate(used / total) if total else 0.0)
     loads.token_usage = max(usages, default=0.0)
+    for field in _COUNT_FIELDS:  # sums of bounded ranks stay bounded
+        setattr(loads, field, min(getattr(loads, field), MAX_LOAD_COUNT))
     return loads
 
 
+_COUNT_FIELDS = ("running_reqs", "waiting_reqs", "waiting_uncached_tokens", "used_tokens",
+                 "max_total_tokens", "max_running_reqs", "prefill_busy_us",
+                 "prefill_uncached_tokens")
+
+
 class WorkerFeed:
-    """The subscriber tasks of one worker (one per rank)."""
+    """The subscriber tasks of one worker (one per rank); they never die (see the module)."""
 
     def __init__(self, worker: Worker, endpoints: list[str], topic: str,
-                 ctx: zmq.asyncio.Context, on_loads: Callable[[Worker], None]) -> None:
+                 ctx: zmq.asyncio.Context, on_loads: Callable[[Worker], None],
+                 on_failure: FailureHook | None = None, restart_backoff_s: float = 1.0,
+                 warn_every_s: float = 10.0) -> None:
         self.worker = worker
         self.topic = topic
         self.ranks = [RankFeed(e) for e in endpoints]
         self._ctx = ctx
         self._on_loads = on_loads
-        self._tasks = [asyncio.get_running_loop().create_task(self._run(r)) for r in self.ranks]
+        self._warnings = WarningLimiter(warn_every_s)
+        self._supervisor = Supervisor("load-feed", on_failure, restart_backoff_s,
+                                      limiter=self._warnings)
+        loop = asyncio.get_running_loop()
+        self._tasks = [self._supervisor.watch(loop.create_task(self._run(r)), r.endpoint)
+                       for r in self.ranks]
 
     def live(self, now: float) -> bool:
         return all(r.last is not None and now - r.heard_at <= STALE_AFTER_S for r in self.ranks)
@@ -133,24 +162,29 @@ class WorkerFeed:
                 await task
 
     async def _run(self, rank: RankFeed) -> None:
-        while True:
-            sock = self._ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.LINGER, 0)
+        def failed() -> None:
+            rank.failures += 1
+
+        await self._supervisor.run(rank.endpoint, lambda: self._session(rank), failed)
+
+    async def _session(self, rank: RankFeed) -> None:
+        """Read one rank until cancelled or until something raises."""
+        sock = bounded_socket(self._ctx, zmq.SUB, MAX_MESSAGE_BYTES, QUEUE_MESSAGES)
+        try:
             sock.subscribe(self.topic.encode())
             sock.connect(rank.endpoint)
-            try:
-                while True:
+            while True:
+                if not await sock.poll(int(RESUBSCRIBE_AFTER_S * 1000), zmq.POLLIN):
+                    return  # silent: a fresh socket (ZMQ does not redial after a protocol error)
+                frames = await sock.recv_multipart()
+                for _ in range(DRAIN_READINGS - 1):  # only the newest reading counts
+                    if not sock.get(zmq.EVENTS) & zmq.POLLIN:
+                        break
                     frames = await sock.recv_multipart()
-                    while sock.get(zmq.EVENTS) & zmq.POLLIN:  # only the newest reading counts
-                        frames = await sock.recv_multipart()
-                    self._apply(rank, frames)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug or a broken socket: start over
-                log.exception("load feed %s: subscriber failed; re-subscribing", rank.endpoint)
-                await asyncio.sleep(1.0)
-            finally:
-                sock.close(linger=0)
+                self._apply(rank, frames)
+                await asyncio.sleep(0)  # a flooding worker must not hold the event loop
+        finally:
+            sock.close(linger=0)
 
     def _apply(self, rank: RankFeed, frames: list[bytes]) -> None:
         try:
@@ -160,8 +194,8 @@ class WorkerFeed:
             stat = decode_load(frames[2])
         except ProtocolError as exc:
             rank.malformed += 1
-            if rank.malformed == 1:
-                log.warning("load feed %s: malformed message: %s", rank.endpoint, exc)
+            self._warnings.warn(log, rank.endpoint, "load feed %s: malformed message: %s",
+                                rank.endpoint, exc)
             return
         rank.last, rank.heard_at, rank.last_seq = stat, time.monotonic(), seq
         rank.readings += 1
@@ -179,13 +213,15 @@ class LoadFeeds:
     """Which workers' loads come from their feed, and their subscriptions."""
 
     def __init__(self, mode: str, fetch_json: FetchJson, on_loads: Callable[[Worker], None],
-                 max_ranks: int = 64) -> None:
+                 max_ranks: int = 64, on_failure: FailureHook | None = None) -> None:
+        """``on_failure`` hears ``"load-feed"`` each time a reader fails (e.g. for a metric)."""
         if mode not in MODES:
             raise ValueError(f"unknown load feed mode {mode!r}: {' or '.join(MODES)}")
         self.mode = mode
         self.fetch_json = fetch_json
         self.on_loads = on_loads
         self.max_ranks = max_ranks
+        self.on_failure = on_failure
         self.feeds: WorkerSubscriptions[WorkerFeed] = WorkerSubscriptions(mode)
 
     def live(self, worker: Worker) -> bool:
@@ -208,7 +244,7 @@ class LoadFeeds:
         if worker.url in self.feeds:  # attached meanwhile
             return
         self.feeds.add(worker.url, WorkerFeed(worker, endpoints, topic, self.feeds.context(),
-                                              self.on_loads))
+                                              self.on_loads, self.on_failure))
         log.info("load feed: %s publishes its load on %s", worker.url, ", ".join(endpoints))
 
     def detach(self, worker: Worker) -> None:

@@ -3,6 +3,12 @@
 A registry holds one subscription per worker URL, the reason each other worker has none (kept
 for ``/list_workers`` and logged once per change), and one ZMQ context made on first use.
 A subscription is anything with ``cancel()``, ``async close()`` and ``describe()``.
+
+What a worker sends is not trusted (it may be hostile or broken), so both readers also share:
+``bounded_socket`` (every socket dialled to a worker has a bounded receive queue and message
+size); from ``control`` they take ``WarningLimiter`` (a warning per bad message would let a
+worker flood the log) and ``Supervisor`` (a reader that fails is logged with its traceback,
+counted, reported and restarted with backoff; it never dies silently).
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Generic, Protocol, TypeVar
 
+import zmq
 import zmq.asyncio
 
 log = logging.getLogger("omniinfer.proxy")
@@ -77,3 +84,16 @@ class WorkerSubscriptions(Generic[S]):
         for url, reason in self._fallback.items():
             workers[url] = {key: fallback, "reason": reason}
         return {"mode": self.mode, "workers": workers}
+
+
+def bounded_socket(ctx: zmq.asyncio.Context, kind: int, max_message_bytes: int,
+                   queue_messages: int) -> zmq.asyncio.Socket:
+    """A socket for reading a worker: no linger, at most ``queue_messages`` messages queued
+    (``RCVHWM``; past it ZMQ drops, which the readers see as a sequence gap) and no message
+    over ``max_message_bytes`` (``MAXMSGSIZE``: ZMQ drops the connection that sends one, so it
+    never reaches Python). Memory per socket is thus bounded by their product."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, max(1, queue_messages))
+    sock.setsockopt(zmq.MAXMSGSIZE, max(1, max_message_bytes))
+    return sock
