@@ -181,8 +181,8 @@ def test_the_new_flags_reach_the_config() -> None:
     config = config_from_args(args)
     assert (config.kv_events_max_tokens, config.kv_events_max_message_bytes) == (5000, 65536)
     default = RouterConfig()
-    assert default.kv_events_max_tokens == 0 and default.kv_events_max_message_bytes == 4 << 20
+    assert default.kv_events_max_tokens == 1 << 20 and default.kv_events_max_message_bytes == 4 << 20
     with pytest.raises(ValueError, match="kv-events-max-message-bytes"):
         RouterConfig(kv_events_max_message_bytes=0).validate()
     with pytest.raises(ValueError, match="kv-events-max-tokens"):
-        RouterConfig(kv_events_max_tokens=-1).validate()
+        RouterConfig(kv_events_max_tokens=0).validate()

@@ -425,5 +425,5 @@ def test_the_router_hands_its_kv_and_feed_bounds_and_failure_metric_to_the_reade
     text = router.metrics.render().decode()
     for task in ("kv-events", "load-feed"):
         assert f'omniproxy_background_task_failures_total{{task="{task}"}} 1' in text, task
-    default = Router(RouterConfig(worker_urls=["http://127.0.0.1:9"], max_tree_size=4096))
-    assert default.cache_truth.max_tokens == 4096  # --kv-events-max-tokens 0: the tree size
+    default = Router(RouterConfig(worker_urls=["http://127.0.0.1:9"]))
+    assert default.cache_truth.max_tokens == RouterConfig().kv_events_max_tokens

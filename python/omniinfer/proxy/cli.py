@@ -58,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pages remembered per publisher; past it that view is reset")
     r.add_argument("--kv-events-max-tokens", type=int,
                    help="tokens of stored pages remembered per worker, over its DP ranks; past "
-                   "it the oldest stores are forgotten first (default 0: --max-tree-size)")
+                   "it the oldest stores are forgotten first (default 1048576; about 65 B a "
+                   "token at 16-token pages, 160 B at 1-token pages)")
     r.add_argument("--kv-events-max-message-bytes", type=int,
                    help="largest KV-event message accepted (default 4 MiB); a larger one "
                    "drops that connection, and the router forgets and resubscribes")

@@ -74,7 +74,7 @@ class RouterConfig:
     access_log_backups: int = 3
     kv_events_max_dp_size: int = 64  # publishers a worker's /server_info may name
     kv_events_max_pages: int = 1 << 22  # pages remembered per publisher; beyond: reset
-    kv_events_max_tokens: int = 0  # tokens remembered per worker (0: --max-tree-size); oldest go
+    kv_events_max_tokens: int = 1 << 20  # tokens remembered per worker (~65-160 B each); oldest go
     kv_events_max_message_bytes: int = 4 << 20  # larger KV-event messages drop the connection
     prometheus_host: str | None = None
     prometheus_port: int | None = None
@@ -122,8 +122,8 @@ class RouterConfig:
                      "access_log_max_bytes", "access_log_backups", "kv_events_max_dp_size",
                      "kv_events_max_pages", "max_payload_size", "max_response_size",
                      "kv_events_max_tokens", "kv_events_max_message_bytes"):
-            if getattr(self, name) < (0 if name in ("oas_decode_max_running", "access_log_backups",
-                                                    "kv_events_max_tokens") else 1):
+            if getattr(self, name) < (0 if name in ("oas_decode_max_running",
+                                                    "access_log_backups") else 1):
                 raise ValueError(f"--{name.replace('_', '-')} is out of range")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")

@@ -67,8 +67,7 @@ class Router:
                                       self.get_json,
                                       parse_endpoint_overrides(config.kv_events_endpoints),
                                       config.kv_events_max_dp_size, config.kv_events_max_pages,
-                                      max_tokens=config.kv_events_max_tokens
-                                      or config.max_tree_size,
+                                      max_tokens=config.kv_events_max_tokens,
                                       limits=KvLimits(max_message_bytes=config
                                                       .kv_events_max_message_bytes),
                                       on_failure=self.metrics.task_failed)

@@ -134,7 +134,7 @@ class KvLimits:
     max_message_bytes: int = 4 << 20  # ZMQ drops the connection of a larger message
     queue_messages: int = 16  # RCVHWM of each socket
     drain_batches: int = 64  # batches applied per wake-up before yielding to the event loop
-    drain_bytes: int = 8 << 20  # and payload bytes
+    drain_bytes: int = 1 << 20  # and payload bytes (~10 ms of hashing; 8 MiB held the loop)
     replay_timeout_s: float = 2.0  # a replay's whole answer, end marker included
     replay_max_entries: int = 10_000  # SGLang's buffer_steps default
     replay_max_bytes: int = 64 << 20
