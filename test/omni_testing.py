@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,3 +86,18 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, step: float 
         if time.monotonic() > deadline:
             return False
         time.sleep(step)
+
+
+async def eventually(done: Callable[[], bool],
+                     each: Callable[[], Awaitable[Any]] | None = None,
+                     timeout: float = 10.0) -> bool:
+    """Poll ``done`` every 20 ms until it holds or ``timeout`` passes; ``each`` runs first."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if each is not None:
+            await each()
+        await asyncio.sleep(0.02)
+        if done():
+            return True
+    return False

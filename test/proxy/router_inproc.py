@@ -61,12 +61,14 @@ class ScriptedWorker:
 @contextlib.asynccontextmanager
 async def router_for(workers: list[ScriptedWorker], **config: Any
                      ) -> AsyncIterator[tuple[str, Serving]]:
-    """Start the workers and a router over them; yields (router base URL, serving)."""
+    """Start the workers and a router over them; yields (router base URL, serving). ``config``
+    overrides any setting, the test defaults (no polling, no health checks) included."""
     urls = [await w.start() for w in workers]
     port = free_port()
-    serving = await open_router(RouterConfig(
-        worker_urls=urls, host="127.0.0.1", port=port, loads_poll_interval_secs=0,
-        disable_health_check=True, retry_initial_backoff_ms=1, **config))
+    settings: dict[str, Any] = {"worker_urls": urls, "host": "127.0.0.1", "port": port,
+                                "loads_poll_interval_secs": 0, "disable_health_check": True,
+                                "retry_initial_backoff_ms": 1, **config}
+    serving = await open_router(RouterConfig(**settings))
     try:
         yield f"http://127.0.0.1:{port}", serving
     finally:

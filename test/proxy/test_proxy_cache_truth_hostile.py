@@ -12,7 +12,7 @@ import pytest
 
 from omniinfer.kv_events import Batch, ProtocolError, Removed, Stored, decode_batch
 from omniinfer.load_feed import LoadStat, decode_load, encode_load
-from omniinfer.proxy.cache_truth import PageChain, WorkerCacheTruth
+from omniinfer.proxy.cache_truth import RUN_CHARGE, PageChain, WorkerCacheTruth
 from omniinfer.proxy.control import WarningLimiter
 from omniinfer.proxy.prefix import ROOT_HASH, PrefixIndex, block_hashes, chain_hash
 from omniinfer.proxy.workers import MAX_LOAD_COUNT, MAX_LOAD_RATE, Role, Worker
@@ -55,14 +55,14 @@ def test_pages_longer_than_the_cap_are_refused_at_once() -> None:
     assert time.perf_counter() - started < 0.1
     assert chain.stats.oversized_events == 1 and len(chain) == 0 and chain.tokens == 0
     ok = chain.store(Stored((2,), None, tuple(range(4096)), 4096))
-    assert len(ok) == 256 and chain.tokens == 4096
+    assert len(ok) == 256 and chain.tokens == 4096 + RUN_CHARGE
 
 
 def test_the_token_budget_evicts_the_oldest_pages() -> None:
     """4,096-token pages that are never evicted by the worker: the router holds at most its
     token budget (oldest stores forgotten first), not ``max_pages`` pages of any length."""
     index = PrefixIndex()
-    budget = 10 * 4096
+    budget = 10 * (4096 + RUN_CHARGE)
     truth = WorkerCacheTruth(KEY, index, 16, sources=2, max_tokens=budget)
     paths = []
     for i in range(40):
@@ -80,9 +80,9 @@ def test_the_token_budget_evicts_the_oldest_pages() -> None:
 def test_removals_and_clears_give_their_tokens_back() -> None:
     chain = PageChain(4)
     chain.store(Stored((1, 2, 3), None, tuple(range(12)), 4))
-    assert chain.tokens == 12
+    assert chain.tokens == 12 + RUN_CHARGE
     chain.remove(Removed((1, 2)))
-    assert chain.tokens == 12  # page 3 still needs the run it was stored in
+    assert chain.tokens == 12 + RUN_CHARGE  # page 3 still needs the run it was stored in
     chain.remove(Removed((3,)))
     assert chain.tokens == 0
     chain.store(Stored((4,), None, (1, 2, 3, 4), 4))
@@ -186,3 +186,16 @@ def test_the_new_flags_reach_the_config() -> None:
         RouterConfig(kv_events_max_message_bytes=0).validate()
     with pytest.raises(ValueError, match="kv-events-max-tokens"):
         RouterConfig(kv_events_max_tokens=0).validate()
+
+
+def test_many_one_token_stores_are_charged_for_their_runs() -> None:
+    """A store is a run with records of its own: 1-token root stores (SGLang on CPU pages by one
+    token) must not hold the worker's budget in tokens while costing ~460 B each."""
+    index = PrefixIndex()
+    budget = 3000
+    truth = WorkerCacheTruth(KEY, index, 16, max_tokens=budget)
+    for i in range(10_000):
+        truth.apply(0, Batch(0.0, (Stored((i + 1,), None, (i,), 1),), 0, 0))
+    held = len(truth.chains[0])
+    assert truth.tokens() <= budget
+    assert held == budget // (1 + RUN_CHARGE), held  # before: 3,000 runs of one token

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +19,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from omni_testing import eventually
 from omniinfer.kv_events import BlockRemoved, BlockStored, encode_batch, seq_bytes
 from omniinfer.launch import free_port
 from omniinfer.load_feed import LoadStat, encode_load
-from omniinfer.proxy.cache_truth import WorkerCacheTruth
+from omniinfer.proxy.cache_truth import RUN_CHARGE, WorkerCacheTruth
 from omniinfer.proxy.kv_subscriber import KvLimits, Source, WorkerSubscription
 from omniinfer.proxy.load_feed import WorkerFeed
 from omniinfer.proxy.prefix import PrefixIndex
@@ -50,20 +51,6 @@ async def _max_lag_while(running: Callable[[], bool], limit_s: float = 15.0) -> 
     return worst
 
 
-async def _eventually(done: Callable[[], bool],
-                      each: Callable[[], Awaitable[Any]] | None = None,
-                      timeout: float = 10.0) -> bool:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while loop.time() < deadline:
-        if each is not None:
-            await each()
-        await asyncio.sleep(0.02)
-        if done():
-            return True
-    return False
-
-
 def _store(page_hash: int, parent: int | None, tokens: list[int]) -> bytes:
     return encode_batch(0.0, [BlockStored(block_hashes=[page_hash], parent_block_hash=parent,
                                           token_ids=tokens, block_size=len(tokens),
@@ -86,7 +73,7 @@ def _subscription(ctx: zmq.asyncio.Context, endpoint: str, replay: str | None = 
 async def _joined(pub: zmq.asyncio.Socket, source: Source) -> None:
     """Publish seq 0 (a one-block store) until the slow-joining SUB has applied it."""
     payload = _store(1, None, list(range(16)))
-    assert await _eventually(lambda: source.last_seq == 0,
+    assert await eventually(lambda: source.last_seq == 0,
                              lambda: pub.send_multipart((b"", seq_bytes(0), payload)))
 
 
@@ -150,7 +137,7 @@ def test_malformed_framing_neither_resets_nor_floods_the_log(
                 await (pub.send(b"one frame") if i % 2 else
                        pub.send_multipart((b"", b"\x00\x01", b"\x90")))
             await pub.send_multipart((b"", seq_bytes(1), _store(2, 1, list(range(16, 32)))))
-            assert await _eventually(lambda: source.last_seq == 1), source.describe()
+            assert await eventually(lambda: source.last_seq == 1), source.describe()
             assert source.malformed == bad and truth.resets == 0
             assert source.gaps == 0 and source.replays == 0
             assert index.size(sub.worker.url) == 2  # both honest stores are held
@@ -240,7 +227,7 @@ def test_every_socket_to_a_worker_bounds_its_queue_and_message_size() -> None:
         try:
             await _joined(pub, source)
             await pub.send_multipart((b"", seq_bytes(5), _store(4, 1, list(range(16, 32)))))
-            assert await _eventually(lambda: source.last_seq == 5)  # after a (failed) replay
+            assert await eventually(lambda: source.last_seq == 5)  # after a (failed) replay
         finally:
             await sub.close()
             await feed.close()
@@ -272,7 +259,7 @@ def test_an_oversized_message_never_reaches_the_router() -> None:
             await pub.send_multipart((b"", seq_bytes(1), huge))
             honest = _store(6, None, list(range(100, 116)))
             seqs = iter(range(2, 10_000))
-            assert await _eventually(
+            assert await eventually(
                 lambda: index.size(sub.worker.url) == 1 and truth.blocks() == 1,
                 lambda: pub.send_multipart((b"", seq_bytes(next(seqs)), honest)))
             assert source.last_seq is not None and source.last_seq >= 2
@@ -288,7 +275,7 @@ def test_an_oversized_message_never_reaches_the_router() -> None:
 def test_large_pages_that_are_never_evicted_stay_within_the_token_budget() -> None:
     """A publisher that stores 4,096-token pages and never evicts: the worker's view keeps at
     most its token budget (the oldest forgotten first) and still follows honest stores."""
-    budget = 16 * 4096
+    budget = 16 * (4096 + RUN_CHARGE)
 
     async def scenario() -> None:
         ctx = zmq.asyncio.Context()
@@ -310,7 +297,7 @@ def test_large_pages_that_are_never_evicted_stay_within_the_token_budget() -> No
                 most = max(most, truth.tokens())
                 if seq % 20 == 0:
                     await asyncio.sleep(0.01)
-            assert await _eventually(lambda: source.last_seq == 200), source.describe()
+            assert await eventually(lambda: source.last_seq == 200), source.describe()
             assert max(most, truth.tokens()) <= budget and truth.tokens() == budget
             assert index.size(worker.url) == 16 * 256 and source.gaps == 0
             assert truth.describe()["evicted_pages"] == 200 + 1 - 16
@@ -336,7 +323,7 @@ def test_a_deeply_nested_payload_is_one_bad_message() -> None:
             nested = b"\x92\xcb" + b"\x00" * 8 + b"\x91" * 200_000 + b"\x90"
             await pub.send_multipart((b"", seq_bytes(1), nested))
             await pub.send_multipart((b"", seq_bytes(2), _store(7, None, list(range(40, 56)))))
-            assert await _eventually(lambda: source.last_seq == 2), source.describe()
+            assert await eventually(lambda: source.last_seq == 2), source.describe()
             assert source.malformed == 1 and source.failures == 0 and not failures
             assert truth.blocks() == 1  # the undecodable batch forgot page 1; page 7 is held
         finally:
@@ -361,7 +348,7 @@ def test_a_failing_reader_is_logged_counted_and_restarted(
                           "load", ctx, lambda w: None, on_failure=failures.append,
                           restart_backoff_s=0.05)
         try:
-            assert await _eventually(lambda: source.failures >= 2
+            assert await eventually(lambda: source.failures >= 2
                                      and feed.ranks[0].failures >= 2, timeout=5.0)
             assert not any(t.done() for t in sub._tasks + feed._tasks)
             assert {"kv-events", "load-feed"} <= set(failures)
@@ -398,7 +385,7 @@ def test_a_silent_load_feed_gets_a_fresh_socket_and_hears_a_late_publisher(
             await pub.send_multipart((b"load", seq_bytes(0), huge))  # drops the connection
             reading = encode_load(LoadStat(4, 0, 1, 10))
             seqs = iter(range(1, 10_000))
-            assert await _eventually(
+            assert await eventually(
                 lambda: worker.loads.running_reqs == 4,
                 lambda: pub.send_multipart((b"load", seq_bytes(next(seqs)), reading)))
             rank = feed.ranks[0]

@@ -12,7 +12,6 @@ import json
 import re
 import threading
 import time
-from collections.abc import AsyncIterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -20,14 +19,14 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from router_inproc import ScriptedWorker
+from router_inproc import ScriptedWorker, router_for
 
 from omniinfer.emulator.process import EmulatorProcess
 from omniinfer.launch import free_port
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.control import supervise
 from omniinfer.proxy.redact import MAX_DEPTH, redact
-from omniinfer.proxy.server import Serving, open_router
+from omniinfer.proxy.server import open_router
 from omniinfer.proxy.workers import (
     MAX_LOAD_COUNT,
     WorkerLoads,
@@ -44,24 +43,6 @@ FORBIDDEN = re.compile(r"key|secret|password|token", re.IGNORECASE)
 
 def run(coro: Any, timeout: float = 120) -> Any:
     return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-@contextlib.asynccontextmanager
-async def router_for(workers: list[ScriptedWorker], **config: Any
-                     ) -> AsyncIterator[tuple[str, Serving]]:
-    """As ``router_inproc.router_for``, with every setting overridable."""
-    urls = [await w.start() for w in workers]
-    port = free_port()
-    settings: dict[str, Any] = {"worker_urls": urls, "host": "127.0.0.1", "port": port,
-                                "loads_poll_interval_secs": 0, "disable_health_check": True,
-                                "retry_initial_backoff_ms": 1, **config}
-    serving = await open_router(RouterConfig(**settings))
-    try:
-        yield f"http://127.0.0.1:{port}", serving
-    finally:
-        await serving.close()
-        for w in workers:
-            await w.close()
 
 
 def _server_info() -> dict[str, Any]:

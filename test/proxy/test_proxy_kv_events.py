@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ import zmq
 import zmq.asyncio
 from proxy_helpers import get, post, sse_events, wait_until
 
+from omni_testing import eventually
 from omniinfer.emulator.process import EmulatorProcess
 from omniinfer.kv_events import BlockStored, Stored, encode_batch, seq_bytes
 from omniinfer.launch import free_port
@@ -201,21 +202,6 @@ def test_gap_without_replay_forgets_and_gap_with_replay_is_filled() -> None:
     asyncio.run(_gap_scenario())
 
 
-async def _eventually(done: Callable[[], bool],
-                      each: Callable[[], Awaitable[Any]] | None = None,
-                      timeout: float = 10.0) -> bool:
-    """Poll ``done`` every 20 ms until it holds or ``timeout`` passes; ``each`` runs first."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while loop.time() < deadline:
-        if each is not None:
-            await each()
-        await asyncio.sleep(0.02)
-        if done():
-            return True
-    return False
-
-
 async def _gap_scenario() -> None:
     ctx = zmq.asyncio.Context()
     pub, fake_replay = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
@@ -233,12 +219,12 @@ async def _gap_scenario() -> None:
         source = Source(f"tcp://127.0.0.1:{port}", replay=replay)
         sub = WorkerSubscription(worker, truth, [source], 16, ctx)
         # a SUB socket misses what is published before it connects: send until it has it
-        assert await _eventually(lambda s=source: s.last_seq == 0,
+        assert await eventually(lambda s=source: s.last_seq == 0,
                                  lambda: pub.send_multipart((b"", seq_bytes(0), batches[0])))
         assert index.size(worker.url) == 1
         server = asyncio.ensure_future(_fake_replay_serve(fake_replay, batches))
         await pub.send_multipart((b"", seq_bytes(2), batches[2]))  # 1 is lost
-        assert await _eventually(lambda s=source: s.last_seq == 2)
+        assert await eventually(lambda s=source: s.last_seq == 2)
         server.cancel()
         await sub.close()
         assert index.size(worker.url) == expect_blocks

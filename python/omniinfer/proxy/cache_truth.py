@@ -34,6 +34,7 @@ from omniinfer.proxy.prefix import ROOT_HASH, PrefixIndex, chain_hash
 _EMPTY: tuple[int, ...] = ()
 DEFAULT_MAX_TOKENS = 1 << 24  # per worker, as --max-tree-size's default
 DEFAULT_MAX_PAGE_TOKENS = 1 << 14  # SGLang pages hold 1..256 tokens in practice
+RUN_CHARGE = 2  # a stored run's own records cost about two 1-token pages' (~300 B)
 _STAMPS = itertools.count()  # the order runs were stored in, over every chain
 
 
@@ -61,7 +62,7 @@ class _Run:
     """
 
     __slots__ = ("previous", "tail", "tokens", "page", "pages", "hashes", "live", "stamp",
-                 "_positions")
+                 "charge", "_positions")
 
     def __init__(self, previous: int, tail: tuple[int, ...], tokens: tuple[int, ...],
                  page: int, pages: tuple[int, ...], block_size: int) -> None:
@@ -75,6 +76,9 @@ class _Run:
         self.hashes = hashes
         self.live = 0
         self.stamp = next(_STAMPS)
+        # what the run costs the token budget: its tokens, plus a run's own records (about
+        # what RUN_CHARGE tokens cost), so that many tiny stores cannot outgrow the budget
+        self.charge = len(tokens) + RUN_CHARGE
         self._positions: dict[int, int] | None = None
 
     def ends(self, block_size: int) -> dict[int, tuple[int, ...]]:
@@ -121,7 +125,7 @@ class PageChain:
     """One publisher's pages, each mapped onto the router's block grid.
 
     ``tokens`` counts the tokens of the stored runs some page still maps to (what the chain
-    holds); ``len`` counts pages."""
+    holds), each run charged ``RUN_CHARGE`` more for its own records; ``len`` counts pages."""
 
     def __init__(self, block_size: int, max_page_tokens: int = DEFAULT_MAX_PAGE_TOKENS) -> None:
         if block_size <= 0:
@@ -180,7 +184,7 @@ class PageChain:
                 run.live += 1
         self._ends.update(run.ends(self.block_size) if ends is None else ends)
         self._runs[run] = None
-        self.tokens += len(run.tokens)
+        self.tokens += run.charge
         self.stats.stored_pages += len(run.pages)
         return list(run.hashes)
 
@@ -188,7 +192,7 @@ class PageChain:
         """``pages`` pages of ``run`` are gone; the run (and its tokens) goes with its last."""
         run.live -= pages
         if run.live <= 0 and self._runs.pop(run, False) is None:
-            self.tokens -= len(run.tokens)
+            self.tokens -= run.charge
 
     def _store_known(self, event: Stored, previous: int, tail: tuple[int, ...]) -> list[int]:
         """Some pages are stored again (a replay, a repeated store): already counted, so only
@@ -233,7 +237,7 @@ class PageChain:
         """Forget the oldest run still held (its pages that still map to it); the router
         blocks they held."""
         run, _ = self._runs.popitem(last=False)
-        self.tokens -= len(run.tokens)
+        self.tokens -= run.charge
         released: list[int] = []
         for h in run.pages:
             if self._pages.get(h) is run:
