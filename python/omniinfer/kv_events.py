@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import reprlib
 from typing import Any
 
 import msgspec
@@ -294,10 +295,10 @@ def parse_kv_events_config(text: str | dict[str, Any]) -> KvEventsConfig:
 def split_tcp(endpoint: str) -> tuple[str, int]:
     """``tcp://HOST:PORT`` → (host, port); IPv6 hosts keep their brackets."""
     if not endpoint.startswith("tcp://"):
-        raise ValueError(f"endpoint {endpoint!r} is not tcp://HOST:PORT")
+        raise ValueError(f"endpoint {reprlib.repr(endpoint)} is not tcp://HOST:PORT")
     host, sep, port = endpoint[len("tcp://"):].rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"endpoint {endpoint!r} has no valid port")
+        raise ValueError(f"endpoint {reprlib.repr(endpoint)} has no valid port")
     return host, int(port)
 
 

@@ -24,6 +24,8 @@ decoder, and the resolution of ``--load-publish-endpoint``; no sockets.
 
 from __future__ import annotations
 
+import reprlib
+
 import msgspec
 
 from omniinfer.kv_events import WILDCARD_HOSTS, KvEventsConfig, ProtocolError, split_tcp
@@ -78,7 +80,7 @@ def decode_load(payload: bytes) -> LoadStat:
     for name, value in zip(_FIELDS, values, strict=False):
         ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
         if not ok and not (name == "attn_dp_rank" and value is None):
-            raise ProtocolError(f"{name} is {value!r}, not a non-negative integer")
+            raise ProtocolError(f"{name} is {reprlib.repr(value)}, not a non-negative integer")
     return LoadStat(*values)
 
 

@@ -282,9 +282,10 @@ class WorkerCacheTruth:
         self.cleared = 0
         self.resets = 0
 
-    def apply(self, source: int, batch: Batch) -> None:
-        """Apply one decoded batch of publisher ``source`` in order."""
-        self.batches += 1
+    def apply(self, source: int, batch: Batch, first_part: bool = True) -> None:
+        """Apply one decoded batch of publisher ``source`` in order (or one slice of a large
+        batch: only its first counts as a batch)."""
+        self.batches += first_part
         chain = self.chains[source]
         for event in batch.events:
             if isinstance(event, Stored):

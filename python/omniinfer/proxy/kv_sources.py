@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import reprlib
 import time
 from typing import Any
 
@@ -68,7 +69,7 @@ def _ranks(value: Any, max_ranks: int) -> int:
     if value is None:
         return 1
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= max_ranks:
-        raise NoEvents(f"dp_size {value!r} is not within 1..{max_ranks} "
+        raise NoEvents(f"dp_size {reprlib.repr(value)} is not within 1..{max_ranks} "
                        "(--kv-events-max-dp-size)")
     return value
 
@@ -83,7 +84,8 @@ def dial_rank(endpoint: str, rank: int, worker_host: str) -> str:
         raise NoEvents(f"unusable endpoint: {exc}") from None
     bare, own = host.strip("[]"), worker_host.strip("[]")
     if host not in WILDCARD_HOSTS and bare != own and not (is_loopback(bare) and is_loopback(own)):
-        raise NoEvents(f"endpoint host {host!r} is not the worker's host {worker_host!r}")
+        raise NoEvents(f"endpoint host {reprlib.repr(host)} is not the worker's host "
+                       f"{worker_host!r}")
     return dialled
 
 
@@ -138,6 +140,7 @@ class KvLimits:
     replay_timeout_s: float = 2.0  # a replay's whole answer, end marker included
     replay_max_entries: int = 10_000  # SGLang's buffer_steps default
     replay_max_bytes: int = 64 << 20
+    replay_bytes_per_s: int = 8 << 20  # after a replay of B bytes, none for B / this seconds
     restart_backoff_s: float = 1.0  # a failed reader's first wait before it starts over
 
     def __post_init__(self) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -63,6 +64,8 @@ __all__ = ["MODES", "CacheTruth", "KvLimits", "NoEvents", "Source", "WorkerSubsc
 log = logging.getLogger("omniinfer.proxy")
 MODES = ("router", "kv-events")
 FetchJson = Callable[[Worker, str, float], Awaitable[Any]]
+APPLY_SLICE = 1024  # events of one batch applied between two yields (~10 ms at most)
+DECODE_INLINE_BYTES = 128 << 10  # larger payloads are decoded off the event loop's thread
 _WARNINGS = WarningLimiter()  # per publisher endpoint and kind of fault
 
 
@@ -210,12 +213,16 @@ class WorkerSubscription:
             elif kind == "first" and not filled:
                 _warn(source, "joined", "kv events %s: joined at seq %d; pages stored "
                            "earlier stay unknown", source.endpoint, seq, level=logging.INFO)
-        self._apply(index, source, seq, frames[2])
+        await self._apply(index, source, seq, frames[2])
         check.accept(seq)
 
-    def _apply(self, index: int, source: Source, seq: int, payload: bytes) -> None:
+    async def _apply(self, index: int, source: Source, seq: int, payload: bytes) -> None:
+        """Decode and apply one batch. A payload over ``DECODE_INLINE_BYTES`` is decoded on a
+        worker thread, and a batch of more than ``APPLY_SLICE`` events applied in slices with a
+        yield between them (4 MiB of 1-token events held the loop ~0.5 s)."""
         try:
-            batch = decode_batch(payload)
+            batch = (decode_batch(payload) if len(payload) <= DECODE_INLINE_BYTES
+                     else await asyncio.to_thread(decode_batch, payload))
         except ProtocolError as exc:
             source.malformed += 1
             _warn(source, "undecodable", "kv events %s: undecodable batch %d: %s; "
@@ -223,14 +230,24 @@ class WorkerSubscription:
             self.truth.reset(index)  # its stores and removals are lost: nothing stale stays
             source.last_seq = seq
             return
-        self.truth.apply(index, batch)
+        events = batch.events
+        if len(events) <= APPLY_SLICE:
+            self.truth.apply(index, batch)
+        else:
+            for start in range(0, len(events), APPLY_SLICE):
+                if start:
+                    await asyncio.sleep(0)
+                self.truth.apply(index, dataclasses.replace(
+                    batch, events=events[start:start + APPLY_SLICE]), first_part=not start)
         source.last_seq = seq
         source.last_batch_at = time.time()
 
     async def _replay(self, index: int, source: Source, start: int, stop: int) -> bool:
         """Apply batches ``start``..``stop - 1`` from the replay socket; False if there is none,
-        if it fell short, or within ``replay_timeout_s`` of a failed one (a publisher that gaps
-        on every batch must not cost a replay each)."""
+        if it fell short, within ``replay_timeout_s`` of a failed one, or while the last
+        replay's bytes are still being paid for at ``replay_bytes_per_s`` (a publisher that
+        gaps on every batch must not cost a replay each). Yields every ``drain_batches``
+        batches or ``drain_bytes`` bytes, as the live reader does."""
         if source.replay is None or time.monotonic() < self._replay_after[index]:
             return False
         try:
@@ -243,10 +260,15 @@ class WorkerSubscription:
         if start > 0 and len(got) != stop - start:  # keys are unique and in range
             source.replay_failures += 1
             return False
+        total = since = 0
         for i, seq in enumerate(sorted(got)):
-            self._apply(index, source, seq, got[seq])
-            if (i + 1) % self.limits.drain_batches == 0:
+            await self._apply(index, source, seq, got[seq])
+            total += len(got[seq])
+            since += len(got[seq])
+            if since >= self.limits.drain_bytes or (i + 1) % self.limits.drain_batches == 0:
+                since = 0
                 await asyncio.sleep(0)
+        self._replay_after[index] = time.monotonic() + total / self.limits.replay_bytes_per_s
         source.replays += 1  # counted once applied: a status reader sees its effect
         return True
 

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import reprlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -70,7 +71,7 @@ def feed_endpoints(info: Any, worker_host: str, max_ranks: int = 64) -> tuple[li
         raise NoFeed("it advertises no load feed (start it with --load-publish-endpoint auto)")
     ranks = block.get("dp_size", 1)
     if not isinstance(ranks, int) or isinstance(ranks, bool) or not 1 <= ranks <= max_ranks:
-        raise NoFeed(f"dp_size {ranks!r} is not within 1..{max_ranks}")
+        raise NoFeed(f"dp_size {reprlib.repr(ranks)} is not within 1..{max_ranks}")
     host = str(block.get("endpoint_host") or "*")
     try:
         endpoints = [dial_rank(f"tcp://{host}:{base}", r, worker_host) for r in range(ranks)]
