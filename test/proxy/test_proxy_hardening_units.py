@@ -255,7 +255,8 @@ def test_a_malformed_batch_resets_that_publishers_view() -> None:
     assert truth.blocks() == 1
     sub = SimpleNamespace(truth=truth)
     source = Source("tcp://127.0.0.1:1")
-    WorkerSubscription._apply(sub, 0, source, 1, b"\xc1 not msgpack")  # type: ignore[arg-type]
+    asyncio.run(WorkerSubscription._apply(sub, 0, source, 1,  # type: ignore[arg-type]
+                                          b"\xc1 not msgpack"))
     assert truth.blocks() == 0 and source.malformed == 1 and source.last_seq == 1
 
 

@@ -128,10 +128,14 @@ def lws(dep: Deployment) -> list[dict[str, Any]]:
 
 
 def _lws_pod(dep: Deployment, group: Group, name: str, leader: bool) -> dict[str, Any]:
-    """A leader's or a worker's pod of one instance; its node rank is LWS's worker index."""
-    leader = word(Var("LWS_LEADER_ADDRESS"))
+    """A leader's or a worker's pod of one instance; its node rank is LWS's worker index.
+
+    Only a leader pod (node rank 0, or the one pod of a single-node instance) serves HTTP: it
+    alone gets the container ports and the TCP readiness probe; a worker pod of a multi-node
+    instance gets neither (it would never become Ready)."""
+    address = word(Var("LWS_LEADER_ADDRESS"))
     rank = Var("LWS_WORKER_INDEX") if group.nnodes > 1 else 0
-    command = server_command(dep, group, _server(group, 0, leader, rank, leader), "0.0.0.0",
+    command = server_command(dep, group, _server(group, 0, address, rank, address), "0.0.0.0",
                              "python3")
     ports = [SERVER_PORT] + ([BOOTSTRAP_PORT] if group.role == "prefill" else [])
     return _pod([_container(dep, f"sglang-{group.role}", command, ports if leader else [],

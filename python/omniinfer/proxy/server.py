@@ -2,18 +2,23 @@
 
 Worker answers relayed on the info routes (``/v1/models``, ``/model_info``, ``/get_model_info``,
 ``/server_info``, ``/get_server_info``, ``/health_generate``) are read under the control-answer
-cap (``control.py``; larger is a 502) and redacted for the caller's view (``redact.py``; a body
-that is not JSON is not relayed). In PD mode ``/health_generate`` asks one prefill and one
-decode worker: 200 only if both sides answer it.
+cap (``control.py``) and redacted for the caller's view (``redact.py``; a body that is not JSON
+is not relayed). An answer that is not usable (over the cap, not JSON, a 5xx) sends the route
+on to the next worker, each worker asked at most once; 502 only when none gives one. In PD
+mode ``/health_generate`` asks one prefill and one decode worker: 200 only if both sides
+answer it. ``/health_generate`` is open and makes workers generate, so one probe at a time
+serves every caller, and its outcome is reused for ``HEALTH_GENERATE_TTL_S``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -34,6 +39,7 @@ ROUTER_KEY = web.AppKey("router", Router)
 MAX_ADMIN_BODY = 64 * 1024
 KEEPALIVE_S = 75.0
 INFO_TIMEOUT_S = 10.0
+HEALTH_GENERATE_TTL_S = 1.0  # how long one /health_generate probe answers every caller
 WORKER_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
@@ -61,21 +67,44 @@ async def _fetch(router: Router, worker: Worker, path: str) -> tuple[int, bytes]
         return resp.status, await read_capped(resp, router.control_cap)
 
 
-def _relayed(request: web.Request, status: int, body: bytes) -> web.Response:
-    """A worker's info answer as the caller may read it: JSON, redacted for its view."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Relay:
+    """An info route's outcome: a worker's usable answer (``status``; ``data`` decoded, unless
+    ``empty``), or with ``error`` the status and message of the reason none was usable."""
+
+    status: int
+    data: Any = None
+    empty: bool = False
+    error: str | None = None
+
+
+def _decoded(status: int, body: bytes) -> Relay:
+    """A usable answer: below 500, and JSON or empty; anything else is an error (a worker's
+    own error text may name anything: it is not relayed)."""
     if not body.strip():
-        return web.Response(status=status if status < 500 else 502, body=b"",
-                            content_type="application/json")
+        return Relay(status, empty=True) if status < 500 else \
+            Relay(502, error=f"the worker answered HTTP {status}")
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
         data = None
-    if data is None or status >= 500:  # (a worker's own error text may name anything)
-        code = status if 400 <= status < 500 else 502
-        return error_response(code, f"the worker answered HTTP {status}"
-                              + ("" if data is not None else " with a body that is not JSON"),
-                              "upstream_error")
-    return _json(redact(data, strict=not full_view(request)), status=status)
+    if data is None or status >= 500:
+        return Relay(status if 400 <= status < 500 else 502,
+                     error=f"the worker answered HTTP {status}"
+                     + ("" if data is not None else " with a body that is not JSON"))
+    return Relay(status, data)
+
+
+def _relayed(request: web.Request, relay: Relay) -> web.Response:
+    """A relay as the caller may read it: JSON, redacted for its view; or the JSON error."""
+    if relay.error is not None:
+        unavailable = relay.status == 503
+        return error_response(relay.status, relay.error,
+                              "unavailable" if unavailable else "upstream_error",
+                              retry_after=1 if unavailable else None)
+    if relay.empty:
+        return web.Response(status=relay.status, body=b"", content_type="application/json")
+    return _json(redact(relay.data, strict=not full_view(request)), status=relay.status)
 
 
 def _info_workers(router: Router, role: Role) -> list[Worker]:
@@ -83,19 +112,29 @@ def _info_workers(router: Router, role: Role) -> list[Worker]:
         router.pool.role(role)
 
 
-async def _from_worker(request: web.Request, path: str) -> web.Response:
-    """GET ``path`` from the first available decode/regular worker and relay its answer."""
-    router = _router(request)
+async def _ask(router: Router, path: str) -> Relay:
+    """GET ``path`` from the decode/regular workers (the available ones first), each at most
+    once under ``INFO_TIMEOUT_S``, until one gives a usable answer. None usable: the last
+    refusal (over the cap, not JSON, a 5xx: 502), or 503 when no worker answered at all."""
+    refused: Relay | None = None
     for worker in _info_workers(router, Role.DECODE if router.pd else Role.REGULAR):
         try:
             status, body = await _fetch(router, worker, path)
         except AnswerTooLarge:
-            return error_response(502, "the worker's answer is larger than the router relays",
-                                  "upstream_error")
+            refused = Relay(502, error="the worker's answer is larger than the router relays")
+            continue
         except WORKER_ERRORS:
             continue
-        return _relayed(request, status, body)
-    return error_response(503, "no worker answered", "unavailable", retry_after=1)
+        relay = _decoded(status, body)
+        if relay.error is None:
+            return relay
+        refused = relay
+    return refused or Relay(503, error="no worker answered")
+
+
+async def _from_worker(request: web.Request, path: str) -> web.Response:
+    """GET ``path`` from the first decode/regular worker with a usable answer; relay it."""
+    return _relayed(request, await _ask(_router(request), path))
 
 
 async def models(request: web.Request) -> web.Response:
@@ -118,20 +157,55 @@ async def _generates(router: Router, role: Role) -> bool:
     return False
 
 
-async def health_generate(request: web.Request) -> web.Response:
-    """Regular mode: a worker's answer, relayed. PD mode: 200 only if a prefill worker and a
-    decode worker both answer their /health_generate with 200 (asked at once), else 503."""
-    router = _router(request)
+async def _probe_generation(router: Router) -> Relay:
+    """Regular mode: a worker's /health_generate answer. PD mode: 200 if a prefill worker and
+    a decode worker both answer theirs with 200 (asked at once), else 503 naming the side."""
     if not router.pd:
-        return await _from_worker(request, "/health_generate")
+        return await _ask(router, "/health_generate")
     prefill, decode = await asyncio.gather(_generates(router, Role.PREFILL),
                                            _generates(router, Role.DECODE))
     if prefill and decode:
-        return _json({"status": "ok"})
+        return Relay(200, {"status": "ok"})
     missing = " and ".join(role for role, ok in (("prefill", prefill), ("decode", decode))
                            if not ok)
-    return error_response(503, f"no {missing} worker answered /health_generate",
-                          "unavailable", retry_after=1)
+    return Relay(503, error=f"no {missing} worker answered /health_generate")
+
+
+class Shared:
+    """Single flight with a short memory: at most one call of the probe runs at a time, every
+    caller meanwhile awaits that one, and its outcome answers callers for ``ttl`` seconds
+    after it ends. A caller that goes away does not cancel the probe (others wait on it)."""
+
+    def __init__(self, ttl: float) -> None:
+        self.ttl = ttl
+        self._task: asyncio.Task[Relay] | None = None
+        self._ended = 0.0
+
+    async def get(self, probe: Callable[[], Awaitable[Relay]]) -> Relay:
+        loop = asyncio.get_running_loop()
+        task = self._task
+        if task is None or (task.done() and loop.time() - self._ended >= self.ttl):
+            task = self._task = loop.create_task(self._run(probe))
+        return await asyncio.shield(task)
+
+    async def _run(self, probe: Callable[[], Awaitable[Relay]]) -> Relay:
+        try:
+            return await probe()
+        finally:
+            self._ended = asyncio.get_running_loop().time()
+
+
+HEALTH_KEY = web.AppKey("health_generate", Shared)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """An open route that makes workers generate: one probe (``_probe_generation``) at a time
+    for all callers, its outcome shared for ``HEALTH_GENERATE_TTL_S`` (so a flood of anonymous
+    calls costs the workers at most one generation per side each such period), then redacted
+    for each caller's view."""
+    router = _router(request)
+    relay = await request.app[HEALTH_KEY].get(lambda: _probe_generation(router))
+    return _relayed(request, relay)
 
 
 async def server_info(request: web.Request) -> web.Response:
@@ -267,6 +341,7 @@ def build_app(router: Router) -> web.Application:
     app = web.Application(client_max_size=c.max_payload_size,
                           middlewares=[json_errors, guard.middleware])
     app[ROUTER_KEY] = router
+    app[HEALTH_KEY] = Shared(HEALTH_GENERATE_TTL_S)
     posts = {"/generate": _inference("generate"), "/v1/completions": _inference("completions"),
              "/v1/chat/completions": _inference("chat"), "/flush_cache": flush_cache,
              "/add_worker": add_worker, "/remove_worker": remove_worker}

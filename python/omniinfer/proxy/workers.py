@@ -64,7 +64,10 @@ class WorkerLoads:
         return loads
 
 
-MAX_LOAD_COUNT = 2**40  # requests or tokens: far above any real worker, far below overflow
+# requests, tokens or microseconds: 2**53 is exact in float64 (a policy's arithmetic) and far
+# above any honest figure, cumulative counters included (one rank busy for 30 days is 2.6e12
+# us; 2**53 us is 285 years), so clamping changes no honest worker's report
+MAX_LOAD_COUNT = 2**53
 MAX_LOAD_RATE = 1e12  # tokens per second, and the like
 
 
@@ -156,9 +159,16 @@ def normalize_url(url: str) -> str:
     numeric IPv4 spelling the OS resolver accepts (``inet_aton``: ``127.1``, ``0x7f000001``,
     ``2130706433``, ``017700000001``) becomes its dotted quad; the unspecified address
     (``0.0.0.0``, ``::``, or any spelling of them) is refused: no client can send to it.
+    The URL must be ASCII and a host name only letters, digits, ``-``, ``_`` and dots (no empty
+    label; one trailing dot, the DNS root, is dropped): the HTTP client (yarl) maps Unicode
+    spellings (fullwidth digits and dots, a circled letter, the ideographic full stop U+3002)
+    onto ASCII addresses by IDNA, so they would name one worker twice or reach ``0.0.0.0``;
+    percent-encoded hosts are refused too.
     """
     if not isinstance(url, str):
         raise ValueError("a worker URL must be a string")
+    if not url.isascii():
+        raise ValueError(f"not a worker URL: {url!r} (ASCII only: no Unicode host or port)")
     url = url.strip().rstrip("/")
     if "://" not in url:
         url = "http://" + url
@@ -175,12 +185,25 @@ def normalize_url(url: str) -> str:
         raise ValueError(f"not a worker URL: {url!r} (no user information)")
     if port == 0 or any(c.isspace() or ord(c) < 32 for c in url):
         raise ValueError(f"not a worker URL: {url!r}")
+    if "[" in parts.netloc and ":" not in parts.hostname:  # IPvFuture: no worker address
+        raise ValueError(f"not a worker URL: {url!r} (a bracketed host is an IPv6 address)")
     host = _canonical_host(parts.hostname)
     default = 443 if parts.scheme == "https" else 80
     return f"{parts.scheme}://{host}" + ("" if port in (None, default) else f":{port}")
 
 
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-_.")
+
+
 def _canonical_host(host: str) -> str:
+    """``host`` (``urlsplit``'s lower-case hostname) as one spelling per address, or
+    ValueError: an IP address in its canonical form, else a name of ``_NAME_CHARS`` with no
+    empty label and without the one trailing dot the DNS root allows."""
+    if ":" not in host:  # an IPv6 literal keeps its colons; a name drops the root's dot
+        host = host[:-1] if host.endswith(".") else host
+        if not host or not set(host) <= _NAME_CHARS or "" in host.split("."):
+            raise ValueError(f"not a worker URL: host {host!r} (letters, digits, '-', '_' "
+                             "and dots, no empty label)")
     if host == "localhost":
         return "127.0.0.1"
     try:
