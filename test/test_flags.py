@@ -58,6 +58,10 @@ def test_values_are_converted_and_exported(tmp_path: Path) -> None:
         (["--omni-attn-context", "0"], "must be >= 1"),
         (["--omni-placement-predictor", "last", "--omni-placement-window", "5"],
          "--omni-placement-window: predictor 'last' has no moving-average span"),
+        (["--omni-placement-predictor", "window", "--omni-placement-window", "1001"],
+         "--omni-placement-window: a span must be at most 1000 windows, got 1001"),
+        (["--omni-placement-window", "100000000"],
+         "--omni-placement-window: a span must be at most 1000 windows, got 100000000"),
     ],
 )
 def test_bad_values_raise_one_line(argv: list[str], fragment: str) -> None:
@@ -93,3 +97,18 @@ def test_environment_config_is_validated() -> None:
         current_config({ENV_VAR: "{"})
     with pytest.raises(OmniFlagError, match="must be >= 1.0"):
         current_config({ENV_VAR: '{"omni_placement_trigger": 0.5}'})
+
+
+def test_the_window_span_is_bounded_at_launch() -> None:
+    """``window`` keeps N windows of shares and averages them per decision: N is bounded (the
+    help says so), and the bound itself is accepted for every predictor that has a span."""
+    from omniinfer.placement.dynamic import MAX_SPAN, WINDOW_ARGS
+
+    assert MAX_SPAN == 1000
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert f"at most {MAX_SPAN}" in " ".join(parser.format_help().split())
+    for predictor in WINDOW_ARGS:
+        config = parse(["--omni-placement-predictor", predictor,
+                        "--omni-placement-window", str(MAX_SPAN)])
+        assert config.omni_placement_window == MAX_SPAN

@@ -105,7 +105,8 @@ OMNI_FLAGS: tuple[OmniFlag, ...] = (
         None,
         "OmniPlacement: span N of the predictor's moving average (ema, ema-trend, ema-shift: "
         "weight 2/(N+1) on the newest window; window: the mean of the last N windows; last "
-        "has none); default: the predictor's own (0.3 on the newest window, 10 windows).",
+        "has none; at most 1000); default: the predictor's own (0.3 on the newest window, 10 "
+        "windows).",
         _at_least(1),
     ),
     OmniFlag(

@@ -39,3 +39,19 @@ def test_a_rank_late_at_every_attempt_leaves_the_old_layout_on_every_rank() -> N
         assert len(first["aborted_switch_passes"]) == SWITCH_ATTEMPTS
     # the next decision proposes the layout again; nobody is late any more: adopted everywhere
     assert rank0["updates"] and rank0["status"]["counters"]["migrations_adopted"] == 1
+
+
+def test_ranks_counting_passes_differently_abort_loudly_instead_of_hanging() -> None:
+    """Rank 1 counts one pass more: it reaches the agreed pass one real pass early and waits in
+    the vote while rank 0 waits for it in the forward pass's collective. The vote is bounded:
+    rank 1's scheduler aborts with the reason, its background thread stops, and rank 0's next
+    collective with it fails (SGLang's launcher then stops the instance); nobody switched."""
+    seen = switch_harness.run("skew", deadline_s=100)
+    rank0, rank1 = seen[0], seen[1]
+    error = rank1["error"]
+    assert error is not None and error["type"] == "SwitchBroken"
+    assert "did not complete within 4 s" in error["message"]
+    assert any(level == "CRITICAL" and "aborting this scheduler" in text for level, text in rank1["log"])
+    assert not rank1["thread_alive"]
+    assert rank0["error"] is not None  # its peer is gone: it cannot keep serving either
+    assert rank0["updates"] == rank1["updates"] == []

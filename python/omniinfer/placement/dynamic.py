@@ -26,6 +26,10 @@ PREDICTORS: dict[str, Callable[..., Predictor]] = {}
 # What a span of N windows (``--omni-placement-window N``) means to each predictor, as the
 # keyword arguments it takes; a predictor without an entry has no span and refuses one.
 WINDOW_ARGS: dict[str, Callable[[int], dict[str, float]]] = {}
+# The longest span accepted: ``window`` keeps N windows of [layers, experts] shares and averages
+# them at every decision (1,000 of DeepSeek-V3's 58 x 256 float64 shares: ~120 MB, ~15 M adds);
+# at the default 100 passes per window that is 100,000 passes of history.
+MAX_SPAN = 1000
 
 
 def register_predictor(
@@ -51,14 +55,16 @@ def ema_span(n: int) -> dict[str, float]:
 def window_args(predictor: str, window: int | None) -> dict[str, float]:
     """The arguments that give ``predictor`` a span of ``window`` windows ({} for None).
 
-    Raises PlacementError for an unknown predictor, a span below 1, or a predictor that has no
-    span (``last``), naming the predictors that have one."""
+    Raises PlacementError for an unknown predictor, a span below 1 or above ``MAX_SPAN``, or a
+    predictor that has no span (``last``), naming the predictors that have one."""
     if window is None:
         return {}
     if predictor not in PREDICTORS:
         raise PlacementError(f"unknown predictor {predictor!r}")
     if window < 1:
         raise PlacementError(f"a span must be >= 1 window, got {window}")
+    if window > MAX_SPAN:
+        raise PlacementError(f"a span must be at most {MAX_SPAN} windows, got {window}")
     span = WINDOW_ARGS.get(predictor)
     if span is None:
         raise PlacementError(f"predictor {predictor!r} has no moving-average span (the ones "

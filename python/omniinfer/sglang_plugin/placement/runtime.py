@@ -18,7 +18,9 @@ per-pass callback is replaced by :class:`PlacementController`:
 The switch itself is agreed at its pass (:mod:`.agreement`): every rank votes when the target
 pass ends, and a rank whose background thread posted the layout too late votes "not ready", so
 all ranks switch at that pass or none does; an aborted switch is retried at a later agreed pass
-(up to ``SWITCH_ATTEMPTS`` times), then dropped.
+(up to ``SWITCH_ATTEMPTS`` times), then dropped. A vote that times out, or a switch that fails
+on any rank after an agreed vote, is fatal: every rank that learns it raises
+:class:`~.agreement.SwitchBroken` from the forward loop and its background thread stops.
 
 Devices (through :mod:`omniinfer.platform` only): staging runs on a dedicated stream, over
 NCCL/HCCL when the weights live on a device (gloo on CPU), and the switch makes the forward
@@ -50,7 +52,7 @@ from omniinfer.placement.dynamic import DynamicConfig, DynamicPlanner, window_ar
 from omniinfer.placement.staging import HostCopy, SlotStager, StagedWeights
 from omniinfer.placement.transfers import logical_counts, plan_slot_copies
 from omniinfer.platform import CPU, Platform, for_tensor
-from omniinfer.sglang_plugin.placement.agreement import SwitchAgreement
+from omniinfer.sglang_plugin.placement.agreement import SwitchAgreement, SwitchBroken
 
 logger = logging.getLogger("omniinfer")
 
@@ -150,16 +152,10 @@ class PlacementController:
             self.inbox.put(("counts", HostCopy.start(global_physical_count, counts_platform)))
 
     def on_forward_pass_end(self) -> None:
-        """Count the pass; at a staged layout's target pass, vote and switch iff all agreed."""
-        due = self.agreement.pass_end()
-        if due is not None:
-            switched = False
-            try:
-                if due.agreed:
-                    self._switch(due.payload)
-                    switched = True
-            finally:
-                self.agreement.settle(switched)
+        """Count the pass; at a staged layout's target pass, vote and switch iff all agreed.
+        Raises :class:`SwitchBroken` (fatal for the scheduler) when the ranks can no longer be
+        known to share one expert map: a vote that timed out, a switch that failed anywhere."""
+        self.agreement.pass_end(self._switch)
         if self.passes % self.config.omni_placement_interval == 0:
             self.inbox.put(("tick", self.passes))
 
@@ -185,6 +181,9 @@ class PlacementController:
             elif kind == "tick":
                 try:
                     self._tick(int(payload), window)
+                except SwitchBroken as exc:  # no collective of this rank may follow
+                    logger.error("omniinfer: placement thread on rank %d stopped: %s", self.rank, exc)
+                    return
                 except Exception as exc:  # keep serving on the old layout
                     logger.exception("omniinfer: placement tick failed: %s", exc)
                 window[:] = 0.0
