@@ -195,26 +195,24 @@ def test_a_replay_that_never_ends_keeps_its_deadline_memory_and_loop(offset: int
     asyncio.run(scenario())
 
 
-class _Recorded(zmq.asyncio.Socket):
-    """A socket that notes its type and limits when it connects to a worker."""
+def test_every_socket_to_a_worker_bounds_its_queue_and_message_size(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every connection to a worker (KV SUB, replay DEALER, load-feed SUB) is the router's own
+    ZMTP client (``test_proxy_zmtp.py``), with bounded messages, frames and queue."""
+    from omniinfer.proxy import zmtp
 
-    seen: list[tuple[int, int, int]] = []
+    seen: list[tuple[str, zmtp.ZmtpLimits]] = []
+    dial = zmtp.connect
 
-    def connect(self, addr: str) -> Any:
-        if addr.startswith("tcp://"):  # not the monitor's inproc pair
-            self.seen.append((self.socket_type, self.getsockopt(zmq.RCVHWM),
-                              self.getsockopt(zmq.MAXMSGSIZE)))
-        return super().connect(addr)
+    async def recorded(endpoint: str, socket_type: str, limits: zmtp.ZmtpLimits | None = None,
+                       **kwargs: Any) -> zmtp.ZmtpConnection:
+        seen.append((socket_type, limits or zmtp.ZmtpLimits()))
+        return await dial(endpoint, socket_type, limits, **kwargs)
 
+    monkeypatch.setattr(zmtp, "connect", recorded)
 
-class _RecordingContext(zmq.asyncio.Context):
-    _socket_class = _Recorded
-
-
-def test_every_socket_to_a_worker_bounds_its_queue_and_message_size() -> None:
     async def scenario() -> None:
-        _Recorded.seen.clear()
-        ctx = _RecordingContext()
+        ctx = zmq.asyncio.Context()
         pub = ctx.socket(zmq.PUB)
         port, replay_port = free_port(), free_port()
         pub.bind(f"tcp://127.0.0.1:{port}")
@@ -232,11 +230,12 @@ def test_every_socket_to_a_worker_bounds_its_queue_and_message_size() -> None:
             await sub.close()
             await feed.close()
             ctx.destroy(linger=0)
-        kinds = {kind for kind, _, _ in _Recorded.seen}
-        assert {zmq.SUB, zmq.DEALER} <= kinds, _Recorded.seen
-        for kind, hwm, size in _Recorded.seen:
-            assert 0 < hwm <= 1024, (kind, hwm)
-            assert 0 < size <= 64 << 20, (kind, size)
+        kinds = [kind for kind, _ in seen]
+        assert kinds.count(zmtp.SUB) >= 2 and zmtp.DEALER in kinds, seen  # KV, feed, replay
+        for kind, limits in seen:
+            assert 0 < limits.queue_messages <= 1024, (kind, limits)
+            assert 0 < limits.max_message_bytes <= 64 << 20, (kind, limits)
+            assert 0 < limits.max_frames <= 64, (kind, limits)
 
     asyncio.run(scenario())
 

@@ -15,9 +15,6 @@ import reprlib
 import time
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
 from omniinfer.kv_events import (
     END_OF_REPLAY,
     WILDCARD_HOSTS,
@@ -30,7 +27,7 @@ from omniinfer.kv_events import (
     split_tcp,
 )
 from omniinfer.net import is_loopback
-from omniinfer.proxy.subscriptions import bounded_socket
+from omniinfer.proxy import zmtp
 
 
 class NoEvents(Exception):
@@ -130,11 +127,12 @@ def sources_from_server_info(info: Any, worker_host: str, max_ranks: int = 64
 class KvLimits:
     """What one KV-event publisher may cost the router (defaults fit SGLang's own defaults).
 
-    Memory held in ZMQ per socket is at most ``queue_messages * max_message_bytes`` (64 MiB
-    by default, reached only by a peer that outpaces the router with maximal messages)."""
+    Memory held per connection (``zmtp.py``) is at most ``(queue_messages + 1) *
+    max_message_bytes`` plus one read (68 MiB by default, reached only by a peer that
+    outpaces the router with maximal messages)."""
 
-    max_message_bytes: int = 4 << 20  # ZMQ drops the connection of a larger message
-    queue_messages: int = 16  # RCVHWM of each socket
+    max_message_bytes: int = 4 << 20  # a larger message (all frames) ends the connection
+    queue_messages: int = 16  # complete messages held per connection before TCP pushes back
     drain_batches: int = 64  # batches applied per wake-up before yielding to the event loop
     drain_bytes: int = 1 << 20  # and payload bytes (~10 ms of hashing; 8 MiB held the loop)
     replay_timeout_s: float = 2.0  # a replay's whole answer, end marker included
@@ -148,38 +146,46 @@ class KvLimits:
             if not getattr(self, field.name) > 0:
                 raise ValueError(f"KvLimits.{field.name} must be positive")
 
+    def connection_limits(self) -> zmtp.ZmtpLimits:
+        """The bounds of each connection to a publisher or replay socket."""
+        return zmtp.ZmtpLimits(max_message_bytes=self.max_message_bytes,
+                               queue_messages=self.queue_messages)
+
 
 class ReplayError(Exception):
     """A replay that cannot fill the range asked for (the reason is the message)."""
 
 
-async def fetch_replay(ctx: zmq.asyncio.Context, endpoint: str, start: int, stop: int,
+async def fetch_replay(ctx: object, endpoint: str, start: int, stop: int,
                        limits: KvLimits) -> dict[int, bytes]:
     """The payloads of batches ``start``..``stop - 1`` the replay socket at ``endpoint`` holds.
 
     Contract: returns once the end marker arrives; raises ``ReplayError`` if the answer is
-    malformed, if it has not ended by ``limits.replay_timeout_s`` (checked before every
-    receive, so a peer that keeps sending cannot extend it), or if the range or the batches
-    kept pass ``replay_max_entries`` / ``replay_max_bytes``. Only batches in the range are
-    kept, once each. Yields to the event loop every ``drain_batches`` messages. The caller
-    decides whether what came back is complete."""
+    malformed, if it has not ended by ``limits.replay_timeout_s`` (from the dial on, checked
+    before every receive, so a peer that keeps sending cannot extend it), or if the range or
+    the batches kept pass ``replay_max_entries`` / ``replay_max_bytes``. Only batches in the
+    range are kept, once each. Yields to the event loop every ``drain_batches`` messages. The
+    caller decides whether what came back is complete. Read with the router's own ZMTP client
+    (``zmtp.py``, a DEALER): each message is bounded in frames and bytes. ``ctx`` is unused."""
     if start > 0 and stop - start > limits.replay_max_entries:
         raise ReplayError(f"{stop - start} batches to replay, more than "
                           f"{limits.replay_max_entries}")
-    sock = bounded_socket(ctx, zmq.DEALER, limits.max_message_bytes, limits.queue_messages)
     got: dict[int, bytes] = {}
     size = received = 0
+    deadline = time.monotonic() + limits.replay_timeout_s
+    conn: zmtp.ZmtpConnection | None = None
     try:
-        sock.connect(endpoint)
-        await sock.send_multipart((b"", seq_bytes(start)))
-        deadline = time.monotonic() + limits.replay_timeout_s
+        conn = await zmtp.connect(endpoint, zmtp.DEALER, dataclasses.replace(
+            limits.connection_limits(), handshake_timeout_s=limits.replay_timeout_s))
+        conn.send_multipart((b"", seq_bytes(start)))
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ReplayError(f"no end of replay within {limits.replay_timeout_s:g} s")
-            try:
-                frames = await asyncio.wait_for(sock.recv_multipart(), left)
-            except asyncio.TimeoutError:
+            try:  # not wait_for: on 3.11 it can swallow a cancel that meets a result
+                async with asyncio.timeout(left):
+                    frames = await conn.recv_multipart()
+            except TimeoutError:
                 raise ReplayError(f"no end of replay within {limits.replay_timeout_s:g} s"
                                   ) from None
             received += 1
@@ -199,7 +205,8 @@ async def fetch_replay(ctx: zmq.asyncio.Context, endpoint: str, start: int, stop
                     raise ReplayError(f"more than {limits.replay_max_entries} batches or "
                                       f"{limits.replay_max_bytes} bytes")
                 got[seq] = frames[3]
-    except zmq.ZMQError as exc:
-        raise ReplayError(f"socket error: {exc}") from None
+    except (zmtp.ZmtpError, OSError) as exc:
+        raise ReplayError(f"connection: {exc}") from None
     finally:
-        sock.close(linger=0)
+        if conn is not None:
+            conn.close()

@@ -3,7 +3,8 @@
 Per worker the router finds the publisher in ``/server_info`` (SGLang's ``kv_events`` block, else
 its ``kv_events_config`` endpoint with the worker's host for a wildcard; one endpoint per DP
 rank) or takes ``--kv-events-endpoint URL=tcp://HOST:PORT``. One asyncio task per endpoint
-reads ``[topic, seq, payload]`` messages on a ZMQ SUB socket and applies them in order to the
+reads ``[topic, seq, payload]`` messages as a ZMQ SUB (the router's own ZMTP client,
+``zmtp.py``; not libzmq, whose limits bound frames, not messages) and applies them in order to the
 worker's ``WorkerCacheTruth`` (``cache_truth.py``). A sequence gap is filled from the replay
 socket when the worker advertises one; otherwise (or if the replay falls short) that publisher's
 pages are forgotten — the router then under-predicts until the worker stores again, which is
@@ -14,11 +15,11 @@ without a disconnect is a restart, handled the same way. A worker without events
 router's own index (insert on route), with a warning. The router's hot path never waits on any
 of this.
 
-A publisher is not trusted (``KvLimits`` in ``kv_sources.py``): its socket queues a bounded
-number of bounded messages (a larger one drops the connection; the reader then forgets and
-dials again on a fresh socket), one wake-up applies a bounded number of batches before
-yielding, a replay is bounded in time, entries and bytes, and a failed replay is not retried
-within its timeout. A message that is not ``[topic, seq, payload]`` is counted and dropped
+A publisher is not trusted (``KvLimits`` in ``kv_sources.py``): its connection queues a bounded
+number of messages bounded in frames and bytes (a larger one, or a protocol fault, drops the
+connection; the reader then forgets and dials again), one wake-up applies a bounded number of
+batches before yielding, a replay is bounded in time, entries and bytes, and a failed replay is
+not retried within its timeout. A message that is not ``[topic, seq, payload]`` is counted and dropped
 without touching the sequence state; an undecodable payload forgets that publisher's pages.
 Warnings are rate-limited per publisher and kind. A reader that fails is logged, counted,
 reported (``on_failure``) and restarted; it never dies silently.
@@ -36,9 +37,9 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from omniinfer.kv_events import ProtocolError, decode_batch, seq_from
+from omniinfer.proxy import zmtp
 from omniinfer.proxy.cache_truth import (
     DEFAULT_MAX_PAGE_TOKENS,
     DEFAULT_MAX_TOKENS,
@@ -56,7 +57,7 @@ from omniinfer.proxy.kv_sources import (
     sources_from_server_info,
 )
 from omniinfer.proxy.prefix import PrefixIndex
-from omniinfer.proxy.subscriptions import WorkerSubscriptions, bounded_socket
+from omniinfer.proxy.subscriptions import WorkerSubscriptions
 from omniinfer.proxy.workers import Role, Worker
 
 __all__ = ["MODES", "CacheTruth", "KvLimits", "NoEvents", "Source", "WorkerSubscription",
@@ -119,67 +120,51 @@ class WorkerSubscription:
         await self._supervisor.run(source.endpoint, lambda: self._session(index, source), failed)
 
     async def _session(self, index: int, source: Source) -> None:
-        """Read one publisher until cancelled or until something raises."""
-        limits = self.limits
-        sock = bounded_socket(self._ctx, zmq.SUB, limits.max_message_bytes, limits.queue_messages)
-        monitor: zmq.asyncio.Socket | None = None
+        """Read one connection to a publisher until cancelled, until it ends (then return: the
+        supervisor dials again) or until something raises. The router's own ZMTP client
+        (``zmtp.py``) reads it: every message is bounded in frames and bytes."""
         try:
-            sock.subscribe(source.topic.encode())
-            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-            sock.connect(source.endpoint)
-            poller = zmq.asyncio.Poller()
-            poller.register(sock, zmq.POLLIN)
-            poller.register(monitor, zmq.POLLIN)
-            check = SequenceCheck()
+            conn = await zmtp.connect(source.endpoint, zmtp.SUB, self.limits.connection_limits(),
+                                      subscribe=(source.topic.encode(),))
+        except zmtp.ZmtpError as exc:  # not up (yet), or not a ZMTP publisher
+            _warn(source, "unreachable", "kv events %s: %s", source.endpoint, exc,
+                  level=logging.INFO)
+            return
+        source.connected = True
+        _warn(source, "connected", "kv events %s: connected", source.endpoint, level=logging.INFO)
+        check = SequenceCheck()
+        try:
             while True:
-                ready = dict(await poller.poll())
-                if monitor in ready:  # first: a disconnect precedes what comes after it
-                    event = parse_monitor_message(await monitor.recv_multipart())
-                    if self._connection(index, source, check, event):
-                        return  # a fresh socket: ZMQ does not redial after a protocol error
-                if sock in ready:
-                    await self._drain(index, source, check, sock, monitor)
+                await self._drain(index, source, check, conn)
                 await asyncio.sleep(0)  # a flooding publisher must not hold the event loop
+        except zmtp.ZmtpError as exc:
+            self._lost(index, source, exc)
         finally:
             source.connected = False
-            if monitor is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    sock.disable_monitor()
-                monitor.close(linger=0)
-            sock.close(linger=0)
+            conn.close()
 
     async def _drain(self, index: int, source: Source, check: SequenceCheck,
-                     sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+                     sock: zmtp.ZmtpConnection) -> None:
         """Apply the batches already queued (up to ``drain_batches`` or ``drain_bytes``) in one
-        wake-up: under load a poll per batch cost more than the batch. Stops early if the
-        monitor has news, so a disconnect is still seen before what follows it."""
+        wake-up: under load a wait per batch cost more than the batch. Waits for the first; a
+        lost connection raises ``ZmtpError`` once the batches that came before it are applied."""
         size = 0
         for _ in range(self.limits.drain_batches):
             frames = await sock.recv_multipart()
             size += sum(map(len, frames))
             await self._handle(index, source, check, frames)
-            if size >= self.limits.drain_bytes or monitor.get(zmq.EVENTS) & zmq.POLLIN \
-                    or not sock.get(zmq.EVENTS) & zmq.POLLIN:
+            if size >= self.limits.drain_bytes or not sock.ready():
                 return
 
-    def _connection(self, index: int, source: Source, check: SequenceCheck,
-                    event: dict[str, Any]) -> bool:
-        """Note a monitor event; True when the connection was lost (the session then ends and
-        a new socket dials again)."""
-        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            source.connected = True
-            _warn(source, "connected", "kv events %s: connected", source.endpoint,
-                       level=logging.INFO)
-        elif event["event"] == zmq.EVENT_DISCONNECTED:
-            source.connected = False
-            source.disconnects += 1
-            source.last_seq = None
-            check.expected = None  # what comes next is read like a late join
-            self.truth.reset(index)
-            _warn(source, "disconnected", "kv events %s: connection lost; forgetting this "
-                       "publisher's pages until it is back", source.endpoint)
-            return True
-        return False
+    def _lost(self, index: int, source: Source, reason: Exception) -> None:
+        """The connection ended (the worker died or restarted, the network dropped, or it broke
+        the protocol or a bound): forget its pages; the next session reads like a late join."""
+        source.connected = False
+        source.disconnects += 1
+        source.last_seq = None
+        self.truth.reset(index)
+        _warn(source, "disconnected", "kv events %s: connection lost (%s); forgetting this "
+              "publisher's pages until it is back", source.endpoint, reason)
 
     async def _handle(self, index: int, source: Source, check: SequenceCheck,
                       frames: list[bytes]) -> None:

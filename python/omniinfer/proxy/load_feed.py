@@ -17,8 +17,9 @@ the next poll. Contracts:
 - Figures the feed does not carry (``gen_throughput``) keep their last polled value.
 - Messages that do not decode are counted and skipped (warnings rate-limited per rank); the
   router's hot path never waits on a socket.
-- A worker is not trusted: each SUB socket holds at most ``QUEUE_MESSAGES`` readings of at most
-  ``MAX_MESSAGE_BYTES`` (ZMQ drops the connection of a larger one); one wake-up reads at most
+- A worker is not trusted: each SUB connection (the router's own ZMTP client, ``zmtp.py``)
+  holds at most ``QUEUE_MESSAGES`` readings of at most ``MAX_MESSAGE_BYTES`` in all their
+  frames (a larger one ends the connection, which is dialled again); one wake-up reads at most
   ``DRAIN_READINGS`` queued readings (the newest counts) and then yields to the event loop, so
   a flood cannot stall the router; every figure is clamped (``load_count`` / ``load_rate``) as
   a polled one is. A reader that fails is logged with its traceback, counted
@@ -41,9 +42,10 @@ import zmq.asyncio
 
 from omniinfer.kv_events import ProtocolError, seq_from
 from omniinfer.load_feed import STALE_AFTER_S, LoadStat, decode_load
+from omniinfer.proxy import zmtp
 from omniinfer.proxy.control import FailureHook, Supervisor, WarningLimiter
 from omniinfer.proxy.kv_sources import NoEvents, dial_rank
-from omniinfer.proxy.subscriptions import WorkerSubscriptions, bounded_socket
+from omniinfer.proxy.subscriptions import WorkerSubscriptions
 from omniinfer.proxy.workers import MAX_LOAD_COUNT, Worker, WorkerLoads, load_count, load_rate
 
 log = logging.getLogger("omniinfer.proxy")
@@ -169,23 +171,33 @@ class WorkerFeed:
         await self._supervisor.run(rank.endpoint, lambda: self._session(rank), failed)
 
     async def _session(self, rank: RankFeed) -> None:
-        """Read one rank until cancelled or until something raises."""
-        sock = bounded_socket(self._ctx, zmq.SUB, MAX_MESSAGE_BYTES, QUEUE_MESSAGES)
+        """Read one connection to a rank (the router's own ZMTP client, ``zmtp.py``: messages
+        bounded in frames and bytes) until cancelled, until it ends or stays silent for
+        ``RESUBSCRIBE_AFTER_S`` (then return: the supervisor dials again) or until something
+        raises."""
+        limits = zmtp.ZmtpLimits(max_message_bytes=MAX_MESSAGE_BYTES, queue_messages=QUEUE_MESSAGES)
+        sock: zmtp.ZmtpConnection | None = None
         try:
-            sock.subscribe(self.topic.encode())
-            sock.connect(rank.endpoint)
+            sock = await zmtp.connect(rank.endpoint, zmtp.SUB, limits,
+                                      subscribe=(self.topic.encode(),))
             while True:
-                if not await sock.poll(int(RESUBSCRIBE_AFTER_S * 1000), zmq.POLLIN):
-                    return  # silent: a fresh socket (ZMQ does not redial after a protocol error)
-                frames = await sock.recv_multipart()
+                try:  # not wait_for: on 3.11 it can swallow a cancel that meets a result
+                    async with asyncio.timeout(RESUBSCRIBE_AFTER_S):
+                        frames = await sock.recv_multipart()
+                except TimeoutError:
+                    return  # silent: dial again (a half-open connection is never heard again)
                 for _ in range(DRAIN_READINGS - 1):  # only the newest reading counts
-                    if not sock.get(zmq.EVENTS) & zmq.POLLIN:
+                    if not sock.ready():
                         break
                     frames = await sock.recv_multipart()
                 self._apply(rank, frames)
                 await asyncio.sleep(0)  # a flooding worker must not hold the event loop
+        except zmtp.ZmtpError as exc:  # not up (yet), gone, or it broke the protocol or a bound
+            self._warnings.warn(log, f"connection {rank.endpoint}", "load feed %s: %s",
+                                rank.endpoint, exc, level=logging.INFO)
         finally:
-            sock.close(linger=0)
+            if sock is not None:
+                sock.close()
 
     def _apply(self, rank: RankFeed, frames: list[bytes]) -> None:
         try:

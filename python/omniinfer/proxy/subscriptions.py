@@ -5,8 +5,10 @@ for ``/list_workers`` and logged once per change), and one ZMQ context made on f
 A subscription is anything with ``cancel()``, ``async close()`` and ``describe()``.
 
 What a worker sends is not trusted (it may be hostile or broken), so both readers also share:
-``bounded_socket`` (every socket dialled to a worker has a bounded receive queue and message
-size); from ``control`` they take ``WarningLimiter`` (a warning per bad message would let a
+``zmtp.py`` (every connection dialled to a worker is read by the router's own ZMTP client,
+which bounds each message's frames and bytes and the messages held; libzmq's ``MAXMSGSIZE``
+bounds only frames, so a message of endless small frames would pass it); from ``control``
+they take ``WarningLimiter`` (a warning per bad message would let a
 worker flood the log) and ``Supervisor`` (a reader that fails is logged with its traceback,
 counted, reported and restarted with backoff; it never dies silently).
 """
@@ -85,15 +87,3 @@ class WorkerSubscriptions(Generic[S]):
             workers[url] = {key: fallback, "reason": reason}
         return {"mode": self.mode, "workers": workers}
 
-
-def bounded_socket(ctx: zmq.asyncio.Context, kind: int, max_message_bytes: int,
-                   queue_messages: int) -> zmq.asyncio.Socket:
-    """A socket for reading a worker: no linger, at most ``queue_messages`` messages queued
-    (``RCVHWM``; past it ZMQ drops, which the readers see as a sequence gap) and no message
-    over ``max_message_bytes`` (``MAXMSGSIZE``: ZMQ drops the connection that sends one, so it
-    never reaches Python). Memory per socket is thus bounded by their product."""
-    sock = ctx.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVHWM, max(1, queue_messages))
-    sock.setsockopt(zmq.MAXMSGSIZE, max(1, max_message_bytes))
-    return sock
