@@ -133,7 +133,7 @@ def test_publisher_and_subscriber_over_zmq(monkeypatch: pytest.MonkeyPatch) -> N
         worker = Worker("http://127.0.0.1:1", Role.PREFILL)
         heard: list[WorkerLoads] = []
         ctx = zmq.asyncio.Context()
-        feed = WorkerFeed(worker, [f"tcp://127.0.0.1:{port}"], "load", ctx,
+        feed = WorkerFeed(worker, [f"tcp://127.0.0.1:{port}"], "load",
                           lambda w: heard.append(w.loads))
         try:
             for _ in range(100):  # the slow joiner: wait for the heartbeat to get through
@@ -187,7 +187,7 @@ def test_a_malformed_message_is_counted_and_skipped() -> None:
 
     async def scenario() -> None:
         ctx = zmq.asyncio.Context()
-        feed = WorkerFeed(worker, ["tcp://127.0.0.1:1"], "load", ctx, lambda w: None)
+        feed = WorkerFeed(worker, ["tcp://127.0.0.1:1"], "load", lambda w: None)
         rank = feed.ranks[0]
         feed._apply(rank, [b"load", b"\x00" * 8])
         feed._apply(rank, [b"load", b"\x00" * 8, b"\xc1"])

@@ -132,7 +132,7 @@ def test_load_figures_from_the_feed_are_bounded() -> None:
     async def scenario() -> None:
         ctx = zmq.asyncio.Context()
         worker = Worker("http://127.0.0.1:1", Role.DECODE)
-        feed = WorkerFeed(worker, ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], "load", ctx,
+        feed = WorkerFeed(worker, ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], "load",
                           lambda w: None)
         for rank in feed.ranks:
             feed._apply(rank, [b"load", (1).to_bytes(8, "big"), payload])

@@ -65,7 +65,7 @@ def _subscription(ctx: zmq.asyncio.Context, endpoint: str, replay: str | None = 
     truth = WorkerCacheTruth(worker.url, index, 16)
     source = Source(endpoint, replay=replay)
     hook = None if failures is None else failures.append
-    sub = WorkerSubscription(worker, truth, [source], 16, ctx, limits or KvLimits(),
+    sub = WorkerSubscription(worker, truth, [source], 16, limits or KvLimits(),
                              on_failure=hook)
     return sub, truth, source, index
 
@@ -83,7 +83,7 @@ def test_load_feed_flood_keeps_the_event_loop_responsive() -> None:
         peer = _peer("flood", port, 2.0, b"load".hex(), encode_load(LoadStat(1, 2, 3, 4)).hex())
         ctx = zmq.asyncio.Context()
         worker = Worker("http://127.0.0.1:1", Role.DECODE)
-        feed = WorkerFeed(worker, [f"tcp://127.0.0.1:{port}"], "load", ctx, lambda w: None)
+        feed = WorkerFeed(worker, [f"tcp://127.0.0.1:{port}"], "load", lambda w: None)
         try:
             lag = await _max_lag_while(lambda: peer.poll() is None)
             assert feed.ranks[0].readings > 0 and worker.loads.running_reqs == 1
@@ -221,7 +221,7 @@ def test_every_socket_to_a_worker_bounds_its_queue_and_message_size(
         sub, _, source, _ = _subscription(ctx, f"tcp://127.0.0.1:{port}",
                                           f"tcp://127.0.0.1:{replay_port}")
         feed = WorkerFeed(Worker("http://127.0.0.1:2", Role.DECODE), [f"tcp://127.0.0.1:{port}"],
-                          "load", ctx, lambda w: None)
+                          "load", lambda w: None)
         try:
             await _joined(pub, source)
             await pub.send_multipart((b"", seq_bytes(5), _store(4, 1, list(range(16, 32)))))
@@ -286,7 +286,7 @@ def test_large_pages_that_are_never_evicted_stay_within_the_token_budget() -> No
         index = PrefixIndex()
         truth = WorkerCacheTruth(worker.url, index, 16, max_tokens=budget)
         source = Source(f"tcp://127.0.0.1:{port}")
-        sub = WorkerSubscription(worker, truth, [source], 4096, ctx)
+        sub = WorkerSubscription(worker, truth, [source], 4096)
         try:
             await _joined(pub, source)
             most = 0
@@ -344,7 +344,7 @@ def test_a_failing_reader_is_logged_counted_and_restarted(
         sub, _, source, _ = _subscription(ctx, "tcp://not a host:1", failures=failures,
                                           limits=KvLimits(restart_backoff_s=0.05))
         feed = WorkerFeed(Worker("http://127.0.0.1:3", Role.DECODE), ["tcp://not a host:2"],
-                          "load", ctx, lambda w: None, on_failure=failures.append,
+                          "load", lambda w: None, on_failure=failures.append,
                           restart_backoff_s=0.05)
         try:
             assert await eventually(lambda: source.failures >= 2
@@ -375,7 +375,7 @@ def test_a_silent_load_feed_gets_a_fresh_socket_and_hears_a_late_publisher(
         ctx = zmq.asyncio.Context()
         port = free_port()
         worker = Worker("http://127.0.0.1:1", Role.DECODE)
-        feed = WorkerFeed(worker, [f"tcp://127.0.0.1:{port}"], "load", ctx, lambda w: None)
+        feed = WorkerFeed(worker, [f"tcp://127.0.0.1:{port}"], "load", lambda w: None)
         pub = ctx.socket(zmq.PUB)
         try:
             await asyncio.sleep(0.7)  # a few fresh sockets, nobody publishing

@@ -51,7 +51,7 @@ def _subscription(ctx: zmq.asyncio.Context, limits: KvLimits | None = None
     worker = Worker("http://127.0.0.1:1", Role.REGULAR)
     truth = WorkerCacheTruth(worker.url, PrefixIndex(), 16, max_tokens=1 << 24)
     source = Source("tcp://127.0.0.1:9", replay="tcp://127.0.0.1:9")
-    return WorkerSubscription(worker, truth, [source], 1, ctx, limits or KvLimits()), truth, source
+    return WorkerSubscription(worker, truth, [source], 1, limits or KvLimits()), truth, source
 
 
 def test_a_large_batch_is_applied_in_slices() -> None:
@@ -78,7 +78,7 @@ def replayed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """``fetch_replay`` answered from memory: 48 batches of 400 tiny stores for any range."""
     asked: list[tuple[int, int]] = []
 
-    async def fake_fetch(ctx: Any, endpoint: str, start: int, stop: int,
+    async def fake_fetch(endpoint: str, start: int, stop: int,
                          limits: KvLimits) -> dict[int, bytes]:
         asked.append((start, stop))
         return {seq: _tiny_stores(400, first=1 + seq * 1000) for seq in range(start, stop)}

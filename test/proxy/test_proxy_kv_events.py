@@ -217,7 +217,7 @@ async def _gap_scenario() -> None:
         index = PrefixIndex()
         truth = WorkerCacheTruth(worker.url, index, 16)
         source = Source(f"tcp://127.0.0.1:{port}", replay=replay)
-        sub = WorkerSubscription(worker, truth, [source], 16, ctx)
+        sub = WorkerSubscription(worker, truth, [source], 16)
         # a SUB socket misses what is published before it connects: send until it has it
         assert await eventually(lambda s=source: s.last_seq == 0,
                                  lambda: pub.send_multipart((b"", seq_bytes(0), batches[0])))

@@ -372,8 +372,8 @@ def test_the_routers_readers_drop_an_endless_message_and_redial() -> None:
         truth = WorkerCacheTruth(worker.url, PrefixIndex(), 16)
         ctx = zmq.asyncio.Context()
         tracemalloc.start()
-        sub = WorkerSubscription(worker, truth, [source], 16, ctx)
-        feed = WorkerFeed(worker, [endpoint], "", ctx, lambda w: None)
+        sub = WorkerSubscription(worker, truth, [source], 16)
+        feed = WorkerFeed(worker, [endpoint], "", lambda w: None)
         try:
             async with server:
                 assert await eventually(lambda: source.disconnects >= 3, timeout=10)

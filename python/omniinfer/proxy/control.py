@@ -98,8 +98,8 @@ class Supervisor:
     logged with its traceback (rate-limited per endpoint), reported to ``on_failure`` (the
     reader's kind, e.g. for a metric) and the session restarted after a backoff that doubles
     up to ``max_backoff_s`` and starts over once a session has run a minute. A session that
-    returns (it wants a fresh socket: ZMQ does not reconnect after a protocol error such as an
-    oversized message) is started again after ``RESTART_S``, no failure counted. Cancellation
+    returns (its connection ended: the peer closed it, or it broke a bound such as a message
+    over the size limit, and a session is one connection) is started again after ``RESTART_S``, no failure counted. Cancellation
     ends it. A failing ``on_failure`` is logged, never propagated."""
 
     RESTART_S = 0.1

@@ -156,7 +156,7 @@ class ReplayError(Exception):
     """A replay that cannot fill the range asked for (the reason is the message)."""
 
 
-async def fetch_replay(ctx: object, endpoint: str, start: int, stop: int,
+async def fetch_replay(endpoint: str, start: int, stop: int,
                        limits: KvLimits) -> dict[int, bytes]:
     """The payloads of batches ``start``..``stop - 1`` the replay socket at ``endpoint`` holds.
 
@@ -166,7 +166,7 @@ async def fetch_replay(ctx: object, endpoint: str, start: int, stop: int,
     the batches kept pass ``replay_max_entries`` / ``replay_max_bytes``. Only batches in the
     range are kept, once each. Yields to the event loop every ``drain_batches`` messages. The
     caller decides whether what came back is complete. Read with the router's own ZMTP client
-    (``zmtp.py``, a DEALER): each message is bounded in frames and bytes. ``ctx`` is unused."""
+    (``zmtp.py``, a DEALER): each message is bounded in frames and bytes."""
     if start > 0 and stop - start > limits.replay_max_entries:
         raise ReplayError(f"{stop - start} batches to replay, more than "
                           f"{limits.replay_max_entries}")

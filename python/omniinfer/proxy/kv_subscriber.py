@@ -35,9 +35,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
 from omniinfer.kv_events import ProtocolError, decode_batch, seq_from
 from omniinfer.proxy import zmtp
 from omniinfer.proxy.cache_truth import (
@@ -85,14 +82,13 @@ class WorkerSubscription:
     about what a publisher sends are rate-limited per publisher and kind."""
 
     def __init__(self, worker: Worker, truth: WorkerCacheTruth, sources: list[Source],
-                 page_size: int | None, ctx: zmq.asyncio.Context,
+                 page_size: int | None,
                  limits: KvLimits | None = None, on_failure: FailureHook | None = None) -> None:
         self.worker = worker
         self.truth = truth
         self.sources = sources
         self.page_size = page_size
         self.limits = limits or KvLimits()
-        self._ctx = ctx
         self._supervisor = Supervisor("kv-events", on_failure, self.limits.restart_backoff_s,
                                       limiter=_WARNINGS)
         self._replay_after = [0.0] * len(sources)  # monotonic: no replay before, after a failed one
@@ -236,7 +232,7 @@ class WorkerSubscription:
         if source.replay is None or time.monotonic() < self._replay_after[index]:
             return False
         try:
-            got = await fetch_replay(self._ctx, source.replay, start, stop, self.limits)
+            got = await fetch_replay(source.replay, start, stop, self.limits)
         except ReplayError as exc:
             source.replay_failures += 1
             self._replay_after[index] = time.monotonic() + self.limits.replay_timeout_s
@@ -327,7 +323,7 @@ class CacheTruth:
                                  self.max_pages, max_tokens=self.max_tokens,
                                  max_page_tokens=self.max_page_tokens)
         self.subs.add(worker.url, WorkerSubscription(worker, truth, sources, page_size,
-                                                     self.subs.context(), self.limits,
+                                                     self.limits,
                                                      self.on_failure))
         log.info("cache truth: %s follows KV events from %s (worker page %s, router block %d)",
                  worker.url, ", ".join(s.endpoint for s in sources), page_size or "?",

@@ -37,9 +37,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
 from omniinfer.kv_events import ProtocolError, seq_from
 from omniinfer.load_feed import STALE_AFTER_S, LoadStat, decode_load
 from omniinfer.proxy import zmtp
@@ -136,13 +133,12 @@ class WorkerFeed:
     """The subscriber tasks of one worker (one per rank); they never die (see the module)."""
 
     def __init__(self, worker: Worker, endpoints: list[str], topic: str,
-                 ctx: zmq.asyncio.Context, on_loads: Callable[[Worker], None],
+                 on_loads: Callable[[Worker], None],
                  on_failure: FailureHook | None = None, restart_backoff_s: float = 1.0,
                  warn_every_s: float = 10.0) -> None:
         self.worker = worker
         self.topic = topic
         self.ranks = [RankFeed(e) for e in endpoints]
-        self._ctx = ctx
         self._on_loads = on_loads
         self._warnings = WarningLimiter(warn_every_s)
         self._supervisor = Supervisor("load-feed", on_failure, restart_backoff_s,
@@ -256,7 +252,7 @@ class LoadFeeds:
             return
         if worker.url in self.feeds:  # attached meanwhile
             return
-        self.feeds.add(worker.url, WorkerFeed(worker, endpoints, topic, self.feeds.context(),
+        self.feeds.add(worker.url, WorkerFeed(worker, endpoints, topic,
                                               self.on_loads, self.on_failure))
         log.info("load feed: %s publishes its load on %s", worker.url, ", ".join(endpoints))
 

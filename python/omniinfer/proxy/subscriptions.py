@@ -1,7 +1,7 @@
 """What the router's two ZMQ readers (KV events, load feed) share: per-worker subscriptions.
 
 A registry holds one subscription per worker URL, the reason each other worker has none (kept
-for ``/list_workers`` and logged once per change), and one ZMQ context made on first use.
+for ``/list_workers`` and logged once per change).
 A subscription is anything with ``cancel()``, ``async close()`` and ``describe()``.
 
 What a worker sends is not trusted (it may be hostile or broken), so both readers also share:
@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import logging
 from typing import Any, Generic, Protocol, TypeVar
-
-import zmq
-import zmq.asyncio
 
 log = logging.getLogger("omniinfer.proxy")
 
@@ -42,18 +39,12 @@ class WorkerSubscriptions(Generic[S]):
         self.mode = mode
         self._subs: dict[str, S] = {}
         self._fallback: dict[str, str] = {}
-        self._ctx: zmq.asyncio.Context | None = None
 
     def __contains__(self, url: str) -> bool:
         return url in self._subs
 
     def get(self, url: str) -> S | None:
         return self._subs.get(url)
-
-    def context(self) -> zmq.asyncio.Context:
-        if self._ctx is None:
-            self._ctx = zmq.asyncio.Context()
-        return self._ctx
 
     def add(self, url: str, sub: S) -> None:
         self._fallback.pop(url, None)
@@ -76,9 +67,6 @@ class WorkerSubscriptions(Generic[S]):
     async def close(self) -> None:
         for url in list(self._subs):
             await self._subs.pop(url).close()
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)
-            self._ctx = None
 
     def describe_workers(self, key: str, fallback: str) -> dict[str, Any]:
         """Each subscription's description, and ``{key: fallback, "reason": ...}`` for the rest."""
