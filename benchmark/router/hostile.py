@@ -30,7 +30,6 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,7 +42,7 @@ import aiohttp
 from attacks import ADMIN_KEY, USER_KEY
 from hostile_worker import ATTACKS, HOSTILE_TEXT, MARKER
 
-from omniinfer.launch import free_port
+from omniinfer.launch import ManagedProcess, free_port
 from omniinfer.proxy.process import RouterProcess
 
 HERE = Path(__file__).resolve().parent
@@ -81,27 +80,10 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
-def spawn(command: list[str], url: str, log: Path) -> subprocess.Popen[bytes]:
-    """Start a worker in its own process group; return once ``url/health`` answers 200."""
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return proc
-        except OSError:
-            if proc.poll() is not None:
-                break
-            time.sleep(0.2)
-    raise RuntimeError(f"{command[1]} on {url} did not start (log: {log})")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+def spawn(command: list[str], port: int, log: Path) -> ManagedProcess:
+    """A worker in its own process group (the package's one child-process helper), once its
+    ``/health`` answers 200."""
+    return ManagedProcess(command, None, log, port, ready_timeout_s=60.0, kind="worker").start()
 
 
 def words(name: str) -> list[str]:
@@ -364,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
                             "replay_endpoint": f"tcp://*:{free_port()}"})
     procs = [spawn([sys.executable, str(HERE / "hostile_worker.py"), "--port", str(hp),
                     "--kv-port", str(kv), "--replay-port", str(replay), "--load-port",
-                    str(load)], hostile_url, log_dir / "hostile.log")]
+                    str(load)], hp, log_dir / "hostile.log")]
     plan = [(a, [a]) for a in attacks if a != "secrets"] if args.hostile_each else []
     plan.append(("all", attacks))
     phases: list[dict[str, Any]] = []
@@ -374,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
         procs.append(spawn([sys.executable, "-m", "omniinfer.emulator", "--profile",
                             "cpu-smollm2", "--port", str(honest_port), "--time-scale", "0.02",
                             "--kv-events-config", kv_config, "--load-publish-endpoint",
-                            f"tcp://*:{free_port()}"], honest_url, log_dir / "honest.log"))
+                            f"tcp://*:{free_port()}"], honest_port, log_dir / "honest.log"))
         router_args = ["--worker-urls", hostile_url, honest_url, "--cache-truth", "kv-events",
                        "--load-feed", "auto", "--api-key", KEY, "--control-plane-api-keys",
                        f"ops:ops:admin:{ADMIN_KEY}", f"u1:app:user:{USER_KEY}",
@@ -431,7 +413,7 @@ def run(args: argparse.Namespace) -> int:
                                     "lines": router_log.count("\n")}
     finally:
         for p in procs:
-            stop(p)
+            p.kill()
     result["phases"] = phases
     ok = bool(result["attached"]) and result["alive_after"] and \
         result["rss_killed_at_s"] is None and not any(p["failed_because"] for p in phases)
