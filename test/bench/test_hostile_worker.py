@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -88,14 +89,13 @@ def test_a_phase_fails_for_each_criterion() -> None:
 @pytest.fixture(scope="module")
 def worker() -> Iterator[dict[str, int]]:
     ports = {k: free_port() for k in ("port", "kv_port", "replay_port", "load_port")}
-    url = f"http://127.0.0.1:{ports['port']}"
     proc = hostile.spawn([sys.executable, str(Path(hw.__file__)), *[
         arg for k, v in ports.items() for arg in (f"--{k.replace('_', '-')}", str(v))],
-        "--huge-mib", "2"], url, Path("/dev/null"))
+        "--huge-mib", "2"], ports["port"], Path(tempfile.mkdtemp()) / "hostile.log")
     try:
         yield ports
     finally:
-        hostile.stop(proc)
+        proc.kill()
 
 
 def _post(port: int, path: str, body: object) -> object:
