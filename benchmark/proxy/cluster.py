@@ -52,7 +52,8 @@ class EmulatedCluster:
                  time_scale: float,
                  log_dir: Path, extra: tuple[str, ...] = (), kv_events: bool = False,
                  n_regular: int = 0, cache_extra: tuple[str, ...] = (),
-                 decode_extra: tuple[str, ...] = (), load_feed: bool = False) -> None:
+                 decode_extra: tuple[str, ...] = (), load_feed: bool = False,
+                 prefill_profiles: tuple[str, ...] = ()) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
 
         def events() -> list[str]:
@@ -60,7 +61,13 @@ class EmulatedCluster:
 
         keep = ["--request-log-size", "0"]  # the request log is for tests: no memory for it here
         profiles = profile if isinstance(profile, dict) else {}  # per mode, or one for all
-        self.procs = [EmulatorProcess(mode, profiles.get(mode, profile), time_scale, extra_args=[
+
+        def profile_of(mode: str, i: int) -> str:
+            if mode == "prefill" and i < len(prefill_profiles):
+                return prefill_profiles[i]
+            return profiles.get(mode, profile)  # type: ignore[arg-type]
+
+        self.procs = [EmulatorProcess(mode, profile_of(mode, i), time_scale, extra_args=[
                           *keep, *extra, *(cache_extra if mode != "decode" else decode_extra),
                           *events()],
                                       log_path=log_dir / f"{mode}{i}.log")
@@ -160,12 +167,20 @@ def smg_router_command(cluster: EmulatedCluster, prefill_policy: str, decode_pol
     cmd = [sys.executable, "-m", "smg.launch_router", *roles, "--host", "127.0.0.1",
            "--port", str(port), "--log-level", "warn", "--prometheus-port", str(free_port()),
            "--load-monitor-interval", str(load_interval_s)]
+    if prefill_policy in VETO_BLIND:
+        cmd += ["--disable-worker-overload-protection"]
     for url, boot in cluster.prefill:
         cmd += ["--prefill", url, str(boot)]
     for url in cluster.decode:
         cmd += ["--decode", url]
     return cmd
 
+
+# smg 1.13 leaves a worker with more than 8 waiting requests out of routing (its overload veto,
+# on by default), but bucket picks its worker among all prefill workers and then fails the
+# request with a 503 when the pick is vetoed ("Policy bucket failed to select a prefill
+# worker"): bucket runs with the veto off, its best configuration.
+VETO_BLIND = ("bucket",)
 
 PEERS = ("smg", "sglang-router")  # the Rust router beside OmniProxy; the first is the default
 PEER_PREFIX = {"smg": "smg", "sglang-router": "sglang"}  # target names: smg:POLICY, sglang:POLICY
