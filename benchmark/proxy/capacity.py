@@ -49,7 +49,7 @@ from omniinfer.emulator.profile import dump_profile, load_profile  # noqa: E402
 VOCAB = 128000
 CLUSTERS = {"4P1D": (4, 1, 0), "8P2D": (8, 2, 0), "4P1D-slow": (4, 1, 1)}  # (P, D, slow ones)
 SLOW_FACTOR = 1.5
-DEFAULT_MULTIPLIERS = "0.8,0.95,1.1,1.25,1.4,1.6,1.8"
+DEFAULT_MULTIPLIERS = "0.95,1.05,1.15,1.25,1.35,1.5"
 
 
 def slow_profile(base: str, factor: float, folder: Path) -> str:
@@ -131,6 +131,7 @@ def run_point(target: Target, cluster: EmulatedCluster, requests: list[BenchRequ
 def sweep(cluster_name: str, workload: str, args: argparse.Namespace, out_rows: list[dict],
           log_dir: Path, save: Path) -> None:
     n_p, n_d, n_slow = CLUSTERS[cluster_name]
+    args.time_scale = args.time_scales.get(workload, args.base_time_scale)
     slow = tuple(slow_profile(args.profile, SLOW_FACTOR, log_dir) for _ in range(n_slow))
     cluster = EmulatedCluster(n_p, n_d, args.profile, args.time_scale,
                               log_dir / cluster_name, prefill_profiles=slow)
@@ -212,11 +213,16 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--multipliers", default=DEFAULT_MULTIPLIERS,
                    help="offered rates as multiples of the fleet's estimated prefill capacity")
-    p.add_argument("--knee-scale", default="mooncake=1.6",
-                   help="per workload, a factor on the estimate (mooncake: its cache hits)")
+    p.add_argument("--knee-scale", default="mooncake=1.6,azure=1.5",
+                   help="per workload, a factor on the estimate (mooncake: its cache hits; azure: its "
+                   "lulls, measured: 1.3x the estimate kept every router at >= 97 %%)")
     p.add_argument("--trace-offset", type=int, default=0, help="first trace request used")
     p.add_argument("--profile", default="h100-llama3-8b")
-    p.add_argument("--time-scale", type=float, default=2.0)
+    p.add_argument("--time-scale", type=float, default=2.0,
+                   help="wall seconds per model second of the emulators")
+    p.add_argument("--time-scales", default="azure=4",
+                   help="per workload, another time scale (azure: its rates are 3-5x the "
+                   "paper mix's in requests, which two cores stream only at half that speed)")
     p.add_argument("--output-scale", type=float, default=0.05)
     p.add_argument("--slo-ttft", type=float, default=2.0)
     p.add_argument("--slo-tpot", type=float, default=0.050)
@@ -233,6 +239,9 @@ def main() -> int:
         args.multipliers = "0.9,1.1,1.3,1.5"
         args.only = args.only or "omni:oas,smg:round_robin,smg:bucket"
     args.multipliers = [float(m) for m in args.multipliers.split(",")]
+    args.base_time_scale = args.time_scale
+    args.time_scales = {k: float(v) for k, v in (kv.split("=") for kv in args.time_scales.split(",")
+                                                 if kv)}
     args.knee_scale = {k: float(v) for k, v in (kv.split("=") for kv in args.knee_scale.split(",")
                                                 if kv)}
     out_dir: Path = args.output_dir

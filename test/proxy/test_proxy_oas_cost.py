@@ -189,17 +189,18 @@ def test_no_defer_sends_to_a_busy_instance_at_once_where_oas_holds() -> None:
 
 def test_goodput_and_moore_hodgson_variants_reach_the_queue() -> None:
     from omniinfer.proxy.oas.deferral import Waiting
-    from omniinfer.proxy.oas.policy import OASGoodput, OASMooreHodgson
+    from omniinfer.proxy.oas.policy import OASAged, OASGoodput, OASMooreHodgson
 
     def make(cls: type[OASPolicy], slo: float) -> OASPolicy:
         return cls(PolicyContext(RouterConfig(oas_ttft_slo_secs=slo), PrefixIndex(), Role.PREFILL))
 
-    oas, goodput = make(OASPolicy, 10.0), make(OASGoodput, 10.0)
+    oas, goodput = make(OASAged, 10.0), make(OASGoodput, 10.0)
     clock = InstanceClock("w")  # no cycle measured yet: the 0.2 s default
     assert oas.queue.max_hold([clock]) == pytest.approx(0.2 * (1 + 8))
     assert goodput.queue.max_hold([clock]) == pytest.approx(0.2 * (1 + 32))
+    assert make(OASPolicy, 10.0).queue.max_hold([clock]) == pytest.approx(0.2 * (1 + 32))
     old_long, new_short = Waiting("old_long", 5000, 0.5, 0.0), Waiting("new_short", 100, 0.01, 2.9)
-    # 3 s of waiting outweigh 2 × 0.49 s of extra compute for oas, not for shortest-first
+    # 3 s of waiting outweigh 2 × 0.49 s of extra compute for aging, not for shortest-first
     assert [w.key for w in oas.queue.order([old_long, new_short], 3.0)] == ["old_long", "new_short"]
     assert [w.key for w in goodput.queue.order([old_long, new_short], 3.0)] == [
         "new_short", "old_long"]
@@ -212,3 +213,21 @@ def test_goodput_and_moore_hodgson_variants_reach_the_queue() -> None:
     clock.on_sent("x", 7000, 0.1)  # about 0.7 s queued there: "older" can no longer make it
     assert clock.queue_seconds(0.1) > 0.6
     assert [w.key for w in mh.queue.order([newer, older], 0.1)] == ["newer", "older"]
+
+
+def test_oas_orders_by_the_load_with_an_objective_and_ages_without_one() -> None:
+    from omniinfer.proxy.oas.deferral import Waiting
+
+    def make(slo: float | None) -> OASPolicy:
+        return OASPolicy(PolicyContext(RouterConfig(oas_ttft_slo_secs=slo), PrefixIndex(),
+                                       Role.PREFILL))
+
+    old_long, new_short = Waiting("old_long", 5000, 0.5, 0.0), Waiting("new_short", 100, 0.01, 2.9)
+    light = make(10.0)
+    light.clocks["w"] = InstanceClock("w")
+    assert [w.key for w in light.queue.order([old_long, new_short], 3.0)][0] == "old_long"
+    heavy = [old_long, new_short, *(Waiting(f"f{i}", 9000, 1.0, 2.9) for i in range(6))]
+    # 6.5 s of waiting work on one instance > half the 10 s objective: shortest first
+    assert [w.key for w in light.queue.order(heavy, 3.0)][:2] == ["new_short", "old_long"]
+    plain = make(None)
+    assert [w.key for w in plain.queue.order(heavy, 3.0)][0] == "old_long"

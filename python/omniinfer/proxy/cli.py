@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "before its instance's next batch boundary (0-1]")
     r.add_argument("--oas-hold-bound-cycles", type=float,
                    help="oas: hold a request at most this many predicted batch cycles "
-                   "(oas_goodput uses 32 whatever this says)")
+                   "(default 32; oas_aged uses 8, oas_goodput 32 whatever this says)")
     r.add_argument("--oas-batch-tokens", type=float,
                    help="oas: tokens of one prefill batch assumed until one is measured")
     r.add_argument("--oas-decode-max-running", type=int,

@@ -28,7 +28,7 @@ class RouterConfig:
     kv_events_endpoints: list[str] = dataclasses.field(default_factory=list)  # URL=tcp://H:P
     oas_ttft_slo_secs: float | None = None  # OAS: requests that can still meet it go first
     oas_lead_fraction: float = 1.0  # OAS: release this fraction of a cycle before the boundary
-    oas_hold_bound_cycles: float = 8.0  # OAS: longest hold, in predicted batch cycles
+    oas_hold_bound_cycles: float = 32.0  # OAS: longest hold, in predicted batch cycles
     oas_batch_tokens: float = 8192.0  # OAS: assumed batch budget until one is measured
     oas_decode_max_running: int = 0  # OAS decode: running cap per worker (0: its own report)
     model_path: str | None = None

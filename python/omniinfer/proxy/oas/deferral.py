@@ -139,6 +139,33 @@ def slo_first(order: Order, slo_s: float) -> Order:
 Capacity = Callable[[float], tuple[int, float]]
 
 
+def load_adaptive(slo_s: float, capacity: Capacity, threshold: float = 0.5,
+                  calm: float | None = None) -> Order:
+    """Short and old first while the cluster keeps up; shortest first once it does not.
+
+    The waiting requests' predicted compute spread over the instances is the time the router's
+    queue needs to drain. While it is under ``threshold`` × the objective, aging keeps the tail
+    short (``short_old_first``); beyond it the requests cannot all meet the objective whatever
+    the order, and serving the shortest first keeps the most of them within it
+    (``shortest_first``). Once there, it stays until the drain time is under ``calm`` × the
+    objective (default: ``threshold``), so that a queue hovering at the threshold does not
+    hand its capacity back and forth between the two orders.
+    """
+    leave = threshold if calm is None else min(calm, threshold)
+    overloaded = False
+
+    def ordered(items: Sequence[Waiting], now: float) -> list[Waiting]:
+        nonlocal overloaded
+        servers, _ = capacity(now)
+        drain = sum(w.work for w in items) / max(1, servers)
+        overloaded = drain > (leave if overloaded else threshold) * slo_s
+        if overloaded:
+            return shortest_first(items, now)
+        return short_old_first(items, now)
+
+    return ordered
+
+
 def slo_sacrifice(slo_s: float, capacity: Capacity) -> Order:
     """Most requests within a TTFT objective: Moore–Hodgson over the waiting queue.
 

@@ -3,10 +3,13 @@
 Prefill: each request's best instance is the one with the lowest predicted TTFT = predicted
 queue time + batch time of its *uncached* tokens (the prefix-cache match) + KV transfer, from the
 batch-time model each instance learns online from its own measured batches (``cost``); exact
-ties are broken at random. Requests wait in the router, short-and-old first (with
-``--oas-ttft-slo-secs``, those that can still meet the objective before those that no longer
-can), and go to their instance just before its next predicted batch boundary; none waits more
-than one predicted cycle plus a bound (``deferral``).
+ties are broken at random. Requests wait in the router and go to their instance just before
+its next predicted batch boundary. The order adapts to the load (``load_adaptive``, with
+``--oas-ttft-slo-secs``): short and old first while the waiting work drains within half the
+objective, shortest first from then until the queue is calm again (a twentieth), and in both
+those that can still meet the objective before those that no longer can; without an objective,
+short and old first. None waits more than one predicted cycle plus ``--oas-hold-bound-cycles``
+(32) cycles (``deferral``). ``oas_aged`` is the former order: short and old first always, bound 8.
 
 The release is work-conserving: an instance is *short of work*, whatever the model predicts,
 while less than two batches of tokens sent to it are not back, or when its own load report shows
@@ -47,6 +50,7 @@ from omniinfer.proxy.oas.deferral import (
     Instance,
     Waiting,
     get_order,
+    load_adaptive,
     slo_first,
     slo_sacrifice,
 )
@@ -56,14 +60,16 @@ from omniinfer.proxy.workers import Role, Worker
 
 @register_policy("oas")
 class OASPolicy(DeferringPolicy):
-    order_name: ClassVar[str] = "short_old_first"
+    order_name: ClassVar[str] = "load_adaptive"
     defer: ClassVar[bool] = True
     use_cache: ClassVar[bool] = True
     work_conserving: ClassVar[bool] = True  # a reported-empty instance is open (one batch)
     slo_aware: ClassVar[bool] = True  # honour --oas-ttft-slo-secs when given
     queue_batches: ClassVar[float] = 2.0  # an instance is short of work below this many batches
     slo_rule: ClassVar[str] = "first"  # "first": slo_first; "sacrifice": Moore–Hodgson
-    bound_cycles: ClassVar[float | None] = None  # None: --oas-hold-bound-cycles' value (8)
+    bound_cycles: ClassVar[float | None] = None  # None: --oas-hold-bound-cycles' value (32)
+    adaptive_threshold: ClassVar[float] = 0.5  # load_adaptive: drain time / objective
+    adaptive_calm: ClassVar[float | None] = 0.05  # load_adaptive: back to aging below this
     # A cache miss costs the cluster its recompute, not only this request's TTFT: the estimate
     # adds miss_weight x the compute this instance needs beyond the request's cheapest one.
     miss_weight: ClassVar[float] = 1.0
@@ -78,8 +84,13 @@ class OASPolicy(DeferringPolicy):
                           else config.oas_hold_bound_cycles))
         gate = None if self.defer else (lambda inst, now: True)
         starved = self._starved if self.work_conserving else None
-        order = get_order(self.order_name)
+        order = get_order(self.order_name) if self.order_name != "load_adaptive" else None
         slo = config.oas_ttft_slo_secs if self.slo_aware else None
+        if slo and self.order_name == "load_adaptive":
+            order = load_adaptive(float(slo), self._capacity, self.adaptive_threshold,
+                                  self.adaptive_calm)
+        elif self.order_name == "load_adaptive":
+            order = get_order("short_old_first")
         if slo and self.slo_rule == "sacrifice":
             order = slo_sacrifice(float(slo), self._capacity)
         elif slo:
@@ -168,3 +179,4 @@ OASJitOnly = _variant("oas_jit_only", work_conserving=False)
 OASMooreHodgson = _variant("oas_mh", slo_rule="sacrifice")
 OASGoodput = _variant("oas_goodput", order_name="shortest_first", bound_cycles=32.0)
 OASTTFTOnly = _variant("oas_ttft_only", miss_weight=0.0, patient_redirect=False)
+OASAged = _variant("oas_aged", order_name="short_old_first", bound_cycles=8.0)
