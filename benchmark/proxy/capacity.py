@@ -16,8 +16,8 @@ behind it). Repeats draw other prompts and arrival times (paper: seed + repeat) 
 of the trace (``--trace-offset`` + repeat × requests). The report gives per target the median
 capacity over the repeats and its range, OAS's ratio to the best smg policy (per repeat and the
 median), and the P99 TTFT of both at the best smg policy's capacity rate. Writes
-``results.json`` (every run), ``capacity.json`` (the summary) and ``capacity.png`` (share within
-the SLO against offered rate) to ``--output-dir``.
+``results.json`` (every run), ``capacity.json`` (the summary), ``tables.md`` and
+``capacity.png`` (share within the SLO against offered rate) to ``--output-dir``.
 
     python benchmark/proxy/capacity.py --quick                  # a few minutes
     python benchmark/proxy/capacity.py --workloads paper,azure --clusters 4P1D --repeats 2
@@ -39,7 +39,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from capacity_math import capacity_at, summarize_capacity  # noqa: E402
+from capacity_math import capacity_at, markdown, summarize_capacity  # noqa: E402
 from cluster import EmulatedCluster, add_peer_args, peer_targets  # noqa: E402
 from oas_eval import Target, run_target  # noqa: E402
 
@@ -233,7 +233,12 @@ def main() -> int:
     p.add_argument("--only", default=None, help="comma list of targets (omni:oas, smg:POLICY)")
     add_peer_args(p)
     p.add_argument("--output-dir", type=Path, default=HERE.parent / "results" / "proxy" / "capacity")
+    p.add_argument("--report", type=Path, default=None, metavar="RESULTS_JSON",
+                   help="no runs: rebuild capacity.json, tables.md and capacity.png beside "
+                   "this results.json")
     args = p.parse_args()
+    if args.report is not None:
+        return report(args.report)
     if args.quick:
         args.requests, args.repeats = min(args.requests, 200), 1
         args.multipliers = "0.9,1.1,1.3,1.5"
@@ -255,10 +260,19 @@ def main() -> int:
             sweep(cluster_name, workload, args, rows, log_dir, out_dir / "results.partial.json")
     meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     meta["wall_s"] = time.monotonic() - t0
-    summary = summarize_capacity(rows)
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "runs": rows}, indent=1))
+    return report(out_dir / "results.json")
+
+
+def report(results: Path) -> int:
+    """capacity.json, tables.md and capacity.png beside ``results`` (a results.json)."""
+    data = json.loads(results.read_text())
+    rows, meta = data["runs"], data.get("meta", {})
+    summary = summarize_capacity(rows)
+    out_dir = results.parent
     (out_dir / "capacity.json").write_text(json.dumps({"meta": meta, "summary": summary},
                                                       indent=1))
+    (out_dir / "tables.md").write_text(markdown(summary))
     plot(summary, rows, out_dir / "capacity.png")
     print_summary(summary)
     return 0

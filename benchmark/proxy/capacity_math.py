@@ -115,3 +115,19 @@ def _verdict(per: dict[str, dict[int, dict[str, Any]]], repeats: list[int]) -> d
     if ratios:
         lines.append(f"median oas / best smg at 90 %: {statistics.median(ratios):.2f}x")
     return {"verdict": lines, "ratios": ratios, "p99_ratios": p99_ratios}
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """One table per (workload, cluster): each target's capacity at 90 % and 99 % (median of the
+    repeats, range in parentheses, ">=" a lower bound, "<" below the lowest rate) and its
+    errors, best first; then the verdict lines."""
+    out = []
+    for key, panel in summary.items():
+        out += [f"**{key}** (offered requests per model minute)", "",
+                "| router:policy | 90 % SLO capacity | 99 % SLO capacity | errors |",
+                "|---|---|---|---|"]
+        ranked = sorted(panel["targets"].items(), key=lambda kv: -kv[1]["cap90"])
+        out += [f"| {name} | {cap['cap90_text']} | {cap['cap99_text']} | {cap['errors']} |"
+                for name, cap in ranked]
+        out += [""] + [f"- {line}" for line in panel["verdict"]] + [""]
+    return "\n".join(out)

@@ -86,3 +86,15 @@ def test_slow_profile_scales_every_prefill_term_and_nothing_else(tmp_path: Path)
         assert getattr(slow.cost, name) == pytest.approx(1.5 * getattr(base.cost, name))
     assert slow.cost.decode_base_s == base.cost.decode_base_s
     assert slow.capacity == base.capacity
+
+
+def test_markdown_lists_every_target_best_first_with_its_errors() -> None:
+    from capacity_math import markdown
+
+    rows = [_row("omni:oas", 0, 1000, 1.0, 500), _row("omni:oas", 0, 2000, 0.5, 900),
+            _row("smg:a", 0, 1000, 0.5, 800, errors=3)]
+    text = markdown(summarize_capacity(rows))
+    lines = [ln for ln in text.splitlines() if ln.startswith("| omni") or ln.startswith("| smg")]
+    assert lines[0].startswith("| omni:oas") and lines[1].startswith("| smg:a | < 1,000")
+    assert lines[1].endswith("| 3 |")
+    assert "median oas / best smg" in text
