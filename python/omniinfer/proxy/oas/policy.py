@@ -84,12 +84,13 @@ class OASPolicy(DeferringPolicy):
                           else config.oas_hold_bound_cycles))
         gate = None if self.defer else (lambda inst, now: True)
         starved = self._starved if self.work_conserving else None
-        order = get_order(self.order_name) if self.order_name != "load_adaptive" else None
         slo = config.oas_ttft_slo_secs if self.slo_aware else None
-        if slo and self.order_name == "load_adaptive":
+        if self.order_name != "load_adaptive":
+            order = get_order(self.order_name)
+        elif slo:  # the load is judged against the objective: without one, aging alone
             order = load_adaptive(float(slo), self._capacity, self.adaptive_threshold,
                                   self.adaptive_calm)
-        elif self.order_name == "load_adaptive":
+        else:
             order = get_order("short_old_first")
         if slo and self.slo_rule == "sacrifice":
             order = slo_sacrifice(float(slo), self._capacity)
