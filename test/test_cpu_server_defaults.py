@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from omniinfer.cpu.server_defaults import (
+    DP_WAIT_MS_ENV,
     EARLY_SEND_ENV,
     HOST_IP_ENV,
     PD_MOONCAKE_ENV,
@@ -29,6 +30,52 @@ def test_plain_server_gets_sleep_on_idle_only() -> None:
     assert ns.sleep_on_idle is True and len(changes) == 1
     assert ns.disaggregation_transfer_backend == "mooncake"  # not a PD server: untouched
     assert env == {}
+
+
+def test_a_data_parallel_server_gets_a_waiting_controller() -> None:
+    env: dict[str, str] = {}
+    changes = apply_cpu_server_defaults(_ns(dp_size=2), env)
+    assert env == {DP_WAIT_MS_ENV: "50"} and len(changes) == 2
+    for quiet in ({"dp_size": 1}, {}):  # one rank: no controller loop to fix
+        env = {}
+        apply_cpu_server_defaults(_ns(**quiet), env)
+        assert DP_WAIT_MS_ENV not in env
+    env = {DP_WAIT_MS_ENV: "7"}  # the user's value stays
+    apply_cpu_server_defaults(_ns(dp_size=4), env)
+    assert env[DP_WAIT_MS_ENV] == "7"
+    env = {}
+    apply_cpu_server_defaults(_ns(dp_size=2), env, busy_poll=True)
+    assert env == {}
+
+
+def test_the_controllers_non_blocking_receive_waits_for_a_message_and_no_longer() -> None:
+    """Before, SGLang's DP controller called a non-blocking receive in a loop that never
+    slept (10 core-seconds per 10 s idle); wrapped, an empty receive sleeps in the kernel."""
+    import time
+
+    import zmq
+
+    from omniinfer.sglang_plugin.cpu_fixes import WaitingReceiver
+
+    context = zmq.Context.instance()
+    pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    try:
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push.connect(f"tcp://127.0.0.1:{port}")
+        receiver = WaitingReceiver(pull, wait_ms=200)
+        start, cpu = time.perf_counter(), time.process_time()
+        with pytest.raises(zmq.Again):
+            receiver.recv(flags=zmq.NOBLOCK)
+        assert time.perf_counter() - start >= 0.15  # it waited for a message
+        assert time.process_time() - cpu < 0.1  # asleep, not spinning
+        push.send_pyobj({"rid": "a"})
+        start = time.perf_counter()
+        assert receiver.recv_pyobj(flags=zmq.NOBLOCK) == {"rid": "a"}
+        assert time.perf_counter() - start < 0.15  # a queued message comes at once
+        assert receiver.getsockopt(zmq.TYPE) == zmq.PULL  # the rest is the socket's own
+    finally:
+        pull.close(0)
+        push.close(0)
 
 
 def test_busy_poll_keeps_sglang_default() -> None:

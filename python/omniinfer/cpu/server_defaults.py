@@ -16,6 +16,9 @@ Why each one:
   ``cudaHostRegister``); a server listening on loopback advertises loopback for the transfer.
   The scheduler side (Mooncake's sender takes NumPy page indices, not pinned tensors) is a hook,
   switched on through :data:`PD_MOONCAKE_ENV`.
+- The DP controller waits without spinning (:data:`DP_WAIT_MS_ENV`, with ``--dp-size`` > 1):
+  SGLang's ``DataParallelController.event_loop`` polls its socket without ever blocking, 10
+  core-seconds per 10 s idle; the hook waits on the socket instead (a request wakes it at once).
 - PD waits without spinning (:data:`PD_POLL_MS_ENV`): a PD scheduler with requests queued but
   nothing to compute (a decode server waiting for KV, a prefill server waiting for its decode
   peer) loops with ``time.sleep(0)``, taking a whole core; when prefill and decode share a
@@ -34,6 +37,8 @@ from omniinfer.net import is_loopback
 PD_MOONCAKE_ENV = "OMNIINFER_CPU_PD_MOONCAKE"
 PD_POLL_MS_ENV = "OMNIINFER_CPU_PD_POLL_MS"
 PD_POLL_MS_DEFAULT = "2"
+DP_WAIT_MS_ENV = "OMNIINFER_CPU_DP_WAIT_MS"
+DP_WAIT_MS_DEFAULT = "50"  # only bounds how often its watchdog is fed while idle
 EARLY_SEND_ENV = "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"
 HOST_IP_ENV = "SGLANG_HOST_IP"
 MOONCAKE_BACKENDS = ("mooncake", "mooncake_tcp")
@@ -51,6 +56,11 @@ def apply_cpu_server_defaults(
         namespace.sleep_on_idle = True
         changes.append("--sleep-on-idle (an idle scheduler would spin a whole core)")
 
+    dp_size = getattr(namespace, "dp_size", 1)
+    if not busy_poll and isinstance(dp_size, int) and dp_size > 1 and DP_WAIT_MS_ENV not in env:
+        env[DP_WAIT_MS_ENV] = DP_WAIT_MS_DEFAULT
+        changes.append(f"{DP_WAIT_MS_ENV}={DP_WAIT_MS_DEFAULT} (the DP controller waits on its "
+                       "socket instead of spinning a core)")
     mode = getattr(namespace, "disaggregation_mode", None) or "null"
     backend = getattr(namespace, "disaggregation_transfer_backend", None)
     if mode == "null" or backend not in MOONCAKE_BACKENDS:

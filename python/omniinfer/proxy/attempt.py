@@ -34,6 +34,7 @@ from aiohttp import web
 
 from omniinfer.proxy.auth import error_response
 from omniinfer.proxy.base import Decision, RouteRequest
+from omniinfer.proxy.dp import assign_ranks, rank_fields
 from omniinfer.proxy.request import PD_PHASES, Phase, Request
 from omniinfer.proxy.upstream import UPSTREAM_PATHS, Passthrough, UpstreamFailure
 from omniinfer.proxy.workers import Role, Worker
@@ -51,15 +52,19 @@ class Booking:
     in the worker's prefix index (or expected from its KV events) and its policy's booking.
     Made by dispatching; ``release`` gives back the load and the policy's booking, once."""
 
-    __slots__ = ("router", "view", "worker", "cost", "task", "released")
+    __slots__ = ("router", "view", "worker", "rank", "cost", "task", "released")
 
-    def __init__(self, router: Router, view: RouteRequest, worker: Worker, cost: int) -> None:
+    def __init__(self, router: Router, view: RouteRequest, worker: Worker, cost: int,
+                 rank: int | None = None) -> None:
         self.router, self.view, self.worker, self.cost = router, view, worker, cost
+        self.rank = rank  # the worker's DP rank that serves it (``--dp-aware``), else None
         self.task: HeldTask | None = None
         self.released = False
         worker.inflight_requests += 1
         worker.inflight_tokens += cost
         worker.total_requests += 1
+        if rank is not None:
+            worker.book_rank(rank, cost)
         if not router.cache_truth.follows(worker):  # else the worker's KV events fill its index
             router.indexes[worker.role].insert(worker.url, view.block_hashes)
         else:  # and what was just sent counts until those events report its prefill
@@ -79,6 +84,8 @@ class Booking:
         self.released = True
         self.worker.inflight_requests -= 1
         self.worker.inflight_tokens -= self.cost
+        if self.rank is not None:
+            self.worker.release_rank(self.rank, self.cost)
         self.router.policies[self.worker.role].on_complete(self.view, self.worker, ok)
 
     def task_done(self, task: HeldTask) -> None:
@@ -90,14 +97,19 @@ class Booking:
 
 
 class Attempt:
-    """One try of a request: its bookings (in the strategy's role order), rids and payload."""
+    """One try of a request: its bookings (in the strategy's role order), rids and the body
+    each decided worker gets (the same but for its DP rank fields, ``dp.py``)."""
 
-    __slots__ = ("router", "request", "bookings", "rids", "payload", "posted")
+    __slots__ = ("router", "request", "bookings", "rids", "payloads", "posted")
 
-    def __init__(self, router: Router, request: Request, rids: list[str], payload: bytes) -> None:
-        self.router, self.request, self.rids, self.payload = router, request, rids, payload
+    def __init__(self, router: Router, request: Request, rids: list[str],
+                 payloads: dict[Worker, bytes]) -> None:
+        self.router, self.request, self.rids, self.payloads = router, request, rids, payloads
         self.bookings: list[Booking] = []  # made by the loop, one per decision
         self.posted = 0.0
+
+    def payload_for(self, worker: Worker) -> bytes:
+        return self.payloads[worker]
 
     def booking(self, worker: Worker) -> Booking | None:
         for b in self.bookings:
@@ -219,11 +231,14 @@ async def _attempts(router: Router, strategy: Strategy) -> web.StreamResponse:
         decisions = await strategy.decide(candidates)
         if decisions is None:
             break
+        assign_ranks(decisions)
         for decision in decisions:
             _decided(router, req, decision, number)
         extra = strategy.extra(decisions)
         rids = router.new_rids(req.batch)
-        attempt = Attempt(router, req, rids, req.payload(rids, extra))
+        bodies = req.payloads(rids, extra, rank_fields(decisions))
+        attempt = Attempt(router, req, rids,
+                          {d.worker: body for d, body in zip(decisions, bodies, strict=True)})
         outcome = await _attempt(router, strategy, attempt, decisions)
         if not isinstance(outcome, UpstreamFailure):
             return outcome
@@ -246,7 +261,7 @@ async def _attempt(router: Router, strategy: Strategy, attempt: Attempt,
     try:
         for decision in decisions:
             view, cost = strategy.cost(decision)
-            attempt.bookings.append(Booking(router, view, decision.worker, cost))
+            attempt.bookings.append(Booking(router, view, decision.worker, cost, decision.rank))
         out = await strategy.send(attempt)
         ok = True
         return out
@@ -288,7 +303,7 @@ def _decided(router: Router, req: Request, decision: Decision, attempt: int) -> 
     policy = router.policies[role]
     router.metrics.decision(policy.name, role.value, decision.reason)
     req.decided(role.value, decision.worker.url, decision.reason, policy.name, attempt,
-                req.route.cached_tokens(decision.worker))
+                req.route.cached_tokens(decision.worker), decision.rank)
 
 
 async def backoff(router: Router, attempt: int) -> None:

@@ -47,10 +47,12 @@ class RouteRequest:
 
 @dataclasses.dataclass(slots=True)
 class Decision:
-    """The worker a policy chose and why (the reason is a metric label: a few fixed words)."""
+    """The worker a policy chose and why (the reason is a metric label: a few fixed words), and,
+    for a worker with several data-parallel ranks under ``--dp-aware``, the rank (``dp.py``)."""
 
     worker: Worker
     reason: str
+    rank: int | None = None
 
 
 @dataclasses.dataclass

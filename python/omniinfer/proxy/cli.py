@@ -52,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="URL=tcp://HOST:PORT",
                    help="a worker's KV-event publisher, if not the one its /server_info names "
                    "(repeat per worker; repeat a worker for its DP ranks, in order)")
+    r.add_argument("--dp-aware", action="store_true",
+                   help="send each request to one data-parallel rank of its worker "
+                   "(routed_dp_rank; in PD also disagg_prefill_dp_rank), the least loaded one "
+                   "unless the policy names it; ranks from each worker's /server_info dp_size")
     r.add_argument("--kv-events-max-dp-size", type=int,
                    help="publishers (DP ranks) a worker's /server_info may name")
     r.add_argument("--kv-events-max-pages", type=int,

@@ -68,6 +68,7 @@ class RouterConfig:
     disable_circuit_breaker: bool = False
     loads_poll_interval_secs: float = 1.0
     load_feed: str = "auto"  # auto: a worker's advertised load feed replaces polling it
+    dp_aware: bool = False  # send each request to a DP rank of its worker (``dp.py``)
     default_max_new_tokens: int = 128
     access_log: str | None = None
     access_log_max_bytes: int = 256 << 20  # rotate past this size

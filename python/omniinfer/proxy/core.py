@@ -30,6 +30,7 @@ from omniinfer.proxy.base import Policy, PolicyContext, create_policy
 from omniinfer.proxy.circuit import CircuitBreaker
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.control import IDENTITY, control_cap, read_capped, supervise
+from omniinfer.proxy.dp import learn_dp_size
 from omniinfer.proxy.http1 import Http1Pool
 from omniinfer.proxy.kv_subscriber import CacheTruth, KvLimits, parse_endpoint_overrides
 from omniinfer.proxy.listener import Listener
@@ -128,6 +129,7 @@ class Router:
                                              cookie_jar=aiohttp.DummyCookieJar(),
                                              skip_auto_headers=("User-Agent",))
         await self.check_health(initial=True)
+        await asyncio.gather(*(self.learn_ranks(w) for w in self.pool.all()))
         self.tokenizer = await self._find_tokenizer()
         log.info("tokenizer: %s", self.tokenizer.name)
         await asyncio.gather(*(self.cache_truth.attach(w) for w in self.pool.all()),
@@ -312,6 +314,8 @@ class Router:
                     if not self.load_feeds.live(worker):  # it may publish elsewhere now
                         self.load_feeds.detach(worker)
                         self.spawn(self.load_feeds.attach(worker), "load_feed_attach")
+                    if self.config.dp_aware:  # it may have restarted with another --dp-size
+                        self.spawn(self.learn_ranks(worker), "dp_ranks")
         else:
             worker.health_successes = 0
             worker.health_failures += 1
@@ -363,6 +367,11 @@ class Router:
                 log.exception("policy %s failed on the loads of %s", policy.name, worker.url)
                 self.metrics.task_failed("on_loads")
 
+    async def learn_ranks(self, worker: Worker) -> None:
+        """``--dp-aware``: the worker's DP rank count from its ``/server_info`` (``dp.py``)."""
+        if self.config.dp_aware:
+            learn_dp_size(worker, await self.get_json(worker, "/server_info", 10.0))
+
     async def _poll_one(self, worker: Worker) -> Any:
         assert self.session is not None
         try:
@@ -396,6 +405,7 @@ class Router:
         self.apply_health(worker, True, initial=True)
         if self.pool.get(worker.url) is not None:  # added concurrently meanwhile
             raise ValueError(f"worker already registered: {worker.url}")
+        await self.learn_ranks(worker)
         self.pool.add(worker)
         self.policies[role].on_workers_changed(self.pool.role(role))
         await self.cache_truth.attach(worker)

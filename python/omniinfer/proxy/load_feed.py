@@ -43,7 +43,14 @@ from omniinfer.proxy import zmtp
 from omniinfer.proxy.control import FailureHook, Supervisor, WarningLimiter
 from omniinfer.proxy.kv_sources import NoEvents, dial_rank
 from omniinfer.proxy.subscriptions import WorkerSubscriptions
-from omniinfer.proxy.workers import MAX_LOAD_COUNT, Worker, WorkerLoads, load_count, load_rate
+from omniinfer.proxy.workers import (
+    MAX_LOAD_COUNT,
+    RankLoad,
+    Worker,
+    WorkerLoads,
+    load_count,
+    load_rate,
+)
 
 log = logging.getLogger("omniinfer.proxy")
 MODES = ("auto", "off")
@@ -99,16 +106,19 @@ class RankFeed:
 
 def merged_loads(ranks: list[RankFeed], previous: WorkerLoads) -> WorkerLoads:
     """The worker's loads summed over its ranks' last readings (as ``WorkerLoads.from_json``
-    sums /v1/loads entries); ``gen_throughput`` kept from ``previous``. Every figure is clamped
+    sums /v1/loads entries), each rank's part kept by its position (rank r publishes on base +
+    r); ``gen_throughput`` kept from ``previous``. Every figure is clamped
     as a polled one is: each rank's by ``load_count``, each sum to ``MAX_LOAD_COUNT``, usage by
     ``load_rate``; so no reading (2**64 - 1 is valid msgpack) reaches the policies unbounded."""
     loads = WorkerLoads(gen_throughput=previous.gen_throughput, polled_at=time.time())
     usages = []
-    for rank in ranks:
+    for position, rank in enumerate(ranks):
         s = rank.last
         if s is None:
             continue
         used, total = load_count(s.num_tokens), load_count(s.max_total_num_tokens)
+        loads.add_rank(position, position, RankLoad(
+            used, load_count(s.num_waiting_uncached_tokens), load_count(s.num_running_reqs)))
         loads.running_reqs += load_count(s.num_running_reqs)
         loads.waiting_reqs += load_count(s.num_waiting_reqs)
         loads.waiting_uncached_tokens += load_count(s.num_waiting_uncached_tokens)

@@ -75,7 +75,7 @@ class PD(Strategy):
         attempt.scheduled()
         prefill = router.spawn(self._prefill(attempt, p))
         attempt.hold(p, prefill)  # the prefill's booking lasts as long as its request
-        decode = asyncio.ensure_future(self._decode_open(d, attempt.payload))
+        decode = asyncio.ensure_future(self._decode_open(d, attempt.payload_for(d)))
         pending: set[asyncio.Future[Any]] = {decode, prefill}
         try:
             while not decode.done():
@@ -104,7 +104,8 @@ class PD(Strategy):
         response head enters prefill_running, its completed answer (prefill done) decode_waiting
         (ignored when the decode's first output came first: that implied both)."""
         try:
-            resp = await post(self.router, worker, self.path, attempt.payload, stream=False)
+            resp = await post(self.router, worker, self.path, attempt.payload_for(worker),
+                              stream=False)
         except Passthrough as p:
             return p.response.status, bytes(p.response.body or b"")  # type: ignore[arg-type]
         life = self.request.life

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -188,9 +189,11 @@ class Request:
         self.client_rid = body.get("rid")
         self.prepared = True
 
-    def payload(self, rids: list[str], extra: dict[str, Any] | None = None) -> bytes:
-        """The workers' body of one attempt: the router's rid(s) (never the client's), plus
-        ``extra``; the rids become the current attempt's and go to the access log."""
+    def payloads(self, rids: list[str], extra: dict[str, Any] | None,
+                 per_worker: Sequence[dict[str, Any]]) -> list[bytes]:
+        """The workers' bodies of one attempt, one per entry of ``per_worker`` (fields only that
+        worker gets: its DP rank): the router's rid(s) (never the client's), plus ``extra``;
+        the rids become the current attempt's and go to the access log."""
         self.rids = rids
         rid: Any = rids[0] if self.batch == 1 else rids
         self.worker_rids.append(rid)
@@ -198,13 +201,23 @@ class Request:
         body["rid"] = rid
         if extra:
             body.update(extra)
-        return orjson.dumps(body)
+        shared = b""
+        out = []
+        for own in per_worker:
+            if own:
+                out.append(orjson.dumps({**body, **own}))
+                continue
+            shared = shared or orjson.dumps(body)
+            out.append(shared)
+        return out
 
     def decided(self, role: str, worker: str, reason: str, policy: str, attempt: int,
-                cached_tokens: int) -> None:
-        self.decisions.append({"role": role, "worker": worker, "reason": reason,
-                               "policy": policy, "attempt": attempt,
-                               "cached_tokens": cached_tokens})
+                cached_tokens: int, dp_rank: int | None = None) -> None:
+        record = {"role": role, "worker": worker, "reason": reason, "policy": policy,
+                  "attempt": attempt, "cached_tokens": cached_tokens}
+        if dp_rank is not None:
+            record["dp_rank"] = dp_rank
+        self.decisions.append(record)
 
     def failed(self, worker: str, failure: Exception) -> None:
         """An attempt failed on ``worker`` (its URL and text stay in the log only)."""

@@ -18,9 +18,19 @@ class Role(str, enum.Enum):
     DECODE = "decode"
 
 
+@dataclasses.dataclass(slots=True, frozen=True)
+class RankLoad:
+    """One DP rank's own report: the figures ``--dp-aware`` places a request by."""
+
+    used_tokens: int = 0  # KV tokens the rank holds
+    waiting_uncached_tokens: int = 0  # prompt tokens queued there, not yet computed
+    running_reqs: int = 0
+
+
 @dataclasses.dataclass(slots=True)
 class WorkerLoads:
-    """The worker's own view of its load, polled from SGLang's ``GET /v1/loads`` (all DP ranks)."""
+    """The worker's own view of its load, polled from SGLang's ``GET /v1/loads`` (all DP ranks
+    summed; ``ranks`` keeps each rank's part, indexed by its ``dp_rank``)."""
 
     running_reqs: int = 0
     waiting_reqs: int = 0
@@ -33,6 +43,11 @@ class WorkerLoads:
     prefill_busy_us: int = 0  # cumulative prefill step time (SGLang's total_prefill_busy_us)
     prefill_uncached_tokens: int = 0  # cumulative (total_prefill_uncached_tokens)
     polled_at: float = 0.0
+    ranks: dict[int, RankLoad] = dataclasses.field(default_factory=dict)
+
+    def rank(self, dp_rank: int) -> RankLoad:
+        """That rank's part (zeros when it has not reported)."""
+        return self.ranks.get(dp_rank, _NO_RANK_LOAD)
 
     @classmethod
     def from_json(cls, data: Any, now: float) -> WorkerLoads:
@@ -44,9 +59,12 @@ class WorkerLoads:
         loads = cls(polled_at=now)
         ranks = data.get("loads", []) if isinstance(data, dict) else []
         usages = []
-        for rank in ranks if isinstance(ranks, list) else []:
+        for position, rank in enumerate(ranks if isinstance(ranks, list) else []):
             if not isinstance(rank, dict):
                 continue
+            loads.add_rank(rank.get("dp_rank"), position, RankLoad(
+                _int(rank.get("num_used_tokens")), _int(rank.get("num_waiting_uncached_tokens")),
+                _int(rank.get("num_running_reqs"))))
             loads.running_reqs += _int(rank.get("num_running_reqs"))
             loads.waiting_reqs += _int(rank.get("num_waiting_reqs"))
             loads.waiting_uncached_tokens += _int(rank.get("num_waiting_uncached_tokens"))
@@ -63,6 +81,17 @@ class WorkerLoads:
         loads.gen_throughput = min(loads.gen_throughput, MAX_LOAD_RATE)
         return loads
 
+    def add_rank(self, dp_rank: Any, position: int, load: RankLoad) -> None:
+        """Keep one rank's part under its ``dp_rank`` (its position when that is not a small
+        non-negative int); at most ``MAX_DP_RANKS`` ranks are kept, a repeated rank once."""
+        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int):
+            dp_rank = position
+        if 0 <= dp_rank < MAX_DP_RANKS and dp_rank not in self.ranks:
+            self.ranks[dp_rank] = load
+
+
+_NO_RANK_LOAD = RankLoad()
+MAX_DP_RANKS = 1024  # ranks one worker may have (the paper's decode instance has 64)
 
 # requests, tokens or microseconds: 2**53 is exact in float64 (a policy's arithmetic) and far
 # above any honest figure, cumulative counters included (one rank busy for 30 days is 2.6e12
@@ -126,10 +155,32 @@ class Worker:
     total_requests: int = 0
     loads: WorkerLoads = dataclasses.field(default_factory=WorkerLoads)
     loads_supported: bool = True
+    dp_size: int = 1  # data-parallel ranks the router dispatches to (``--dp-aware``), else 1
+    rank_inflight_tokens: list[int] = dataclasses.field(default_factory=lambda: [0])
+    rank_requests: list[int] = dataclasses.field(default_factory=lambda: [0])  # sent, in all
 
     def __post_init__(self) -> None:
         self.url = normalize_url(self.url)
         self.host = urlsplit(self.url).hostname or "127.0.0.1"
+
+    def set_dp_size(self, ranks: int) -> None:
+        """The worker has ``ranks`` DP ranks (1..``MAX_DP_RANKS``); counters of ranks that
+        remain are kept, bookings on ranks that went are given back by ``release_rank``."""
+        if not 1 <= ranks <= MAX_DP_RANKS:
+            raise ValueError(f"dp size {ranks} is not within 1..{MAX_DP_RANKS}")
+        grow = max(0, ranks - len(self.rank_inflight_tokens))
+        self.rank_inflight_tokens = self.rank_inflight_tokens[:ranks] + [0] * grow
+        self.rank_requests = self.rank_requests[:ranks] + [0] * grow
+        self.dp_size = ranks
+
+    def book_rank(self, rank: int, tokens: int) -> None:
+        self.rank_inflight_tokens[rank] += tokens
+        self.rank_requests[rank] += 1
+
+    def release_rank(self, rank: int, tokens: int) -> None:
+        """Give back a rank's booking; a rank the worker no longer has is ignored."""
+        if rank < len(self.rank_inflight_tokens):
+            self.rank_inflight_tokens[rank] = max(0, self.rank_inflight_tokens[rank] - tokens)
 
     def available(self, now: float) -> bool:
         return self.healthy and self.breaker.allows(now)
@@ -143,8 +194,16 @@ class Worker:
             "url": self.url, "role": self.role.value, "bootstrap_port": self.bootstrap_port,
             "healthy": self.healthy, "circuit": self.breaker.state.name.lower(),
             "inflight_requests": self.inflight_requests, "inflight_tokens": self.inflight_tokens,
-            "total_requests": self.total_requests, "loads": dataclasses.asdict(self.loads),
+            "total_requests": self.total_requests, "loads": _loads_json(self.loads),
+            **({"dp_size": self.dp_size, "rank_inflight_tokens": list(self.rank_inflight_tokens),
+                "rank_requests": list(self.rank_requests)} if self.dp_size > 1 else {}),
         }
+
+
+def _loads_json(loads: WorkerLoads) -> dict[str, Any]:
+    data = dataclasses.asdict(loads)
+    data["ranks"] = {str(r): dataclasses.asdict(v) for r, v in sorted(loads.ranks.items())}
+    return data
 
 
 def normalize_url(url: str) -> str:

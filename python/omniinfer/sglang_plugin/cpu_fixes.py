@@ -18,6 +18,14 @@ PD disaggregation over Mooncake's TCP transport (only when the launcher set
    :data:`omniinfer.cpu.server_defaults.PD_POLL_MS_ENV` it waits that many milliseconds on its
    sockets (a new request wakes it at once).
 
+Data parallelism (``--dp-size`` > 1; only when the launcher set
+:data:`omniinfer.cpu.server_defaults.DP_WAIT_MS_ENV`):
+
+5. SGLang's DP controller receives from the tokenizer with a non-blocking call in an endless
+   loop, spinning a whole core while idle. Its socket is wrapped so that a non-blocking receive
+   first waits up to that many milliseconds for a message (it returns at once when one is
+   there), so the loop sleeps in the kernel instead.
+
 Registered only when :func:`omniinfer.cpu.detect.cpu_engine_active` is true.
 """
 
@@ -29,10 +37,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import zmq
 from sglang.srt.plugins.hook_registry import HookType
 
 from omniinfer.cpu.moe_native import masked_moe_forward
-from omniinfer.cpu.server_defaults import PD_MOONCAKE_ENV, PD_POLL_MS_ENV
+from omniinfer.cpu.server_defaults import DP_WAIT_MS_ENV, PD_MOONCAKE_ENV, PD_POLL_MS_ENV
 from omniinfer.cpu.torch_compat import patch_torch
 from omniinfer.sglang_plugin import hooks, internals
 
@@ -91,6 +100,42 @@ def _pd_poll_wait(wait_ms: int) -> Callable[..., Any]:
     return around_on_idle
 
 
+class WaitingReceiver:
+    """A zmq socket whose non-blocking receive first waits up to ``wait_ms`` for a message
+    (``poll`` returns at once when one is queued); everything else is the socket's own."""
+
+    def __init__(self, socket: Any, wait_ms: int) -> None:
+        self._socket, self._wait_ms = socket, wait_ms
+
+    def recv(self, flags: int = 0, **kwargs: Any) -> Any:
+        self._wait(flags)
+        return self._socket.recv(flags=flags, **kwargs)
+
+    def recv_pyobj(self, flags: int = 0, **kwargs: Any) -> Any:
+        self._wait(flags)
+        return self._socket.recv_pyobj(flags=flags, **kwargs)
+
+    def _wait(self, flags: int) -> None:
+        if flags & zmq.NOBLOCK:
+            self._socket.poll(self._wait_ms, zmq.POLLIN)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._socket, name)
+
+
+def _dp_controller_waits(wait_ms: int) -> Callable[..., Any]:
+    receiver = internals.DP_CONTROLLER_RECEIVER.name
+
+    def around_event_loop(original: Callable[..., Any], controller: Any, *args: Any,
+                          **kwargs: Any) -> Any:
+        socket = getattr(controller, receiver)  # declared: a rename fails at start-up
+        if not isinstance(socket, WaitingReceiver):
+            setattr(controller, receiver, WaitingReceiver(socket, wait_ms))
+        return original(controller, *args, **kwargs)
+
+    return around_event_loop
+
+
 def register() -> None:
     patched = patch_torch()
     if patched:
@@ -104,3 +149,7 @@ def register() -> None:
     if wait_ms > 0:
         hooks.register(SCHEDULER_ON_IDLE, _pd_poll_wait(wait_ms), HookType.AROUND,
                        "PD on CPU: wait for KV or a peer without spinning a core")
+    dp_wait_ms = int(os.environ.get(DP_WAIT_MS_ENV, "0") or 0)
+    if dp_wait_ms > 0:
+        hooks.register(internals.DP_CONTROLLER_EVENT_LOOP.path, _dp_controller_waits(dp_wait_ms),
+                       HookType.AROUND, "DP on CPU: the controller waits instead of spinning")

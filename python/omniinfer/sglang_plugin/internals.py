@@ -114,6 +114,13 @@ DEEPSEEK_REBALANCE = Internal(
 GROUP_COORDINATOR_INIT = Internal(
     _GROUP_COORDINATOR, "__init__", "cpu_fixes: use_pynccl switched off (hooked, set by name)",
     CPU, params=("use_pynccl",))
+_DP_CONTROLLER = "sglang.srt.managers.data_parallel_controller.DataParallelController"
+DP_CONTROLLER_EVENT_LOOP = Internal(
+    _DP_CONTROLLER, "event_loop", "cpu_fixes: the DP controller waits instead of spinning (hooked)",
+    CPU)
+DP_CONTROLLER_RECEIVER = Internal(
+    _DP_CONTROLLER, "recv_from_tokenizer",
+    "cpu_fixes: the socket whose non-blocking receive the DP controller spins on", CPU, Kind.INSTANCE)
 
 # ---- OmniAttn under PD (hooked private methods; the hooks call them by these positions)
 SEND_KV_CHUNK = Internal(
@@ -201,7 +208,8 @@ RADIX_INTERNALS: tuple[Internal, ...] = (
 
 DECLARED: tuple[Internal, ...] = (
     HOOK_REGISTRY_PATCHED, EPLB_GET_MODEL, EPLB_MODEL_CONFIG, STAT_ACCUMULATOR_APPEND,
-    DEEPSEEK_REBALANCE, GROUP_COORDINATOR_INIT, SEND_KV_CHUNK, SEND_KV_METADATA,
+    DEEPSEEK_REBALANCE, GROUP_COORDINATOR_INIT, DP_CONTROLLER_EVENT_LOOP, DP_CONTROLLER_RECEIVER,
+    SEND_KV_CHUNK, SEND_KV_METADATA,
     ESTIMATE_SWA_TOKENS, SWA_REQUEST_CAP,
     *POOL_CONFIGURATOR_FIELDS, TRITON_SET_KV_BUFFER, *RADIX_INTERNALS,
 )

@@ -231,33 +231,39 @@ class DeferringPolicy(Policy):
                    or worker.loads.max_running_reqs or 0)
 
     @staticmethod
-    def decode_load(worker: Worker) -> int:
-        """Tokens of KV the worker holds or will: the larger of ours and its own report."""
-        return max(worker.inflight_tokens, worker.loads.used_tokens)
+    def decode_load(worker: Worker, rank: int | None = None) -> int:
+        """Tokens of KV the worker (or one of its DP ranks) holds or will: the larger of ours
+        and its own report."""
+        if rank is None:
+            return max(worker.inflight_tokens, worker.loads.used_tokens)
+        return max(worker.rank_inflight_tokens[rank], worker.loads.rank(rank).used_tokens)
 
     def _flush_decode(self) -> None:
+        """Longest first, each to the least-loaded place under its worker's cap; a place is a
+        worker, or one DP rank of it under ``--dp-aware`` (LPT over every rank of the pool)."""
         self._decode_flush = None
         if not self._decode_pending:
             return
         key = (lambda e: (-e.weight, e.seq)) if self.lpt else (lambda e: e.seq)
-        extra: dict[str, float] = {}
+        extra: dict[tuple[str, int | None], float] = {}
         running: dict[str, int] = {}
         still: list[_DecodeWait] = []
         for entry in sorted(self._decode_pending, key=key):
             if entry.future.done():
                 continue
-            fits = [w for w in entry.workers
-                    if not self.decode_cap(w) or w.inflight_requests + running.get(w.url, 0)
-                    < self.decode_cap(w)]
-            if not fits:
+            places = [(w, r) for w in entry.workers
+                      if not self.decode_cap(w) or w.inflight_requests + running.get(w.url, 0)
+                      < self.decode_cap(w)
+                      for r in (range(w.dp_size) if w.dp_size > 1 else (None,))]
+            if not places:
                 still.append(entry)
                 continue
-            best = min(fits, key=lambda w: (self.decode_load(w) + extra.get(w.url, 0.0),
-                                            w.inflight_requests + running.get(w.url, 0),
-                                            self.rng.random()))
-            extra[best.url] = extra.get(best.url, 0.0) + entry.weight
+            best, rank = min(places, key=lambda p: (
+                self.decode_load(*p) + extra.get((p[0].url, p[1]), 0.0),
+                p[0].inflight_requests + running.get(p[0].url, 0), self.rng.random()))
+            extra[(best.url, rank)] = extra.get((best.url, rank), 0.0) + entry.weight
             running[best.url] = running.get(best.url, 0) + 1
-            entry.future.set_result(Decision(best, "lpt" if self.lpt else "least_load"))
+            entry.future.set_result(Decision(best, "lpt" if self.lpt else "least_load", rank))
         self._decode_pending = still
 
     def describe(self) -> dict[str, Any]:
