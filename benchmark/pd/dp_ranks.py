@@ -9,14 +9,16 @@ the same open-loop workload through each router in turn (caches flushed between 
   smg:dp_min_token   smg 1.13 ``--dp-aware --dp-minimum-tokens-scheduler`` (its rank scheduler)
   smg:power_of_two   smg 1.13 ``--dp-aware``, ``power_of_two`` over the ranks
 
-The workload: prompts of 40-1,200 tokens (windows of ``paradise_lost.txt``), output budgets
-long-tailed (16 to 512 tokens, ``ignore_eos``), Poisson arrivals. While a run lasts, the decode
+The workload: prompts of 40-400 tokens (windows of ``paradise_lost.txt``), output budgets
+long-tailed (8 to 128 tokens, ``ignore_eos``), Poisson arrivals. The prefill server runs with
+``SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1``: without it SGLang 0.5.23 fails every
+request that names no prefill rank and whose bootstrap room is odd (docs/benchmarks.md). While a run lasts, the decode
 server's ``/v1/loads`` is sampled every 0.25 s; the figures are SGLang's own: per-rank KV tokens
 in use, the imbalance (max - min over the mean of the ranks, averaged over busy samples), the
 busiest rank's share, and the requests' TPOT and end-to-end latency. Prints a table and writes
 ``results/dp_ranks.json``.
 
-    python benchmark/pd/dp_ranks.py --requests 40 --rate 1.5 --seeds 1 2   # ~12 min on 2 cores
+    python benchmark/pd/dp_ranks.py --requests 16 --rate 0.25 --seeds 1 2   # ~20 min on 2 cores
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ HERE = Path(__file__).resolve().parent
 MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 TEXT = (Path(omniinfer.data.__file__).parent / "text" / "paradise_lost.txt").read_text()
 TARGETS = ("omni:oas+dp", "omni:oas", "smg:dp_min_token", "smg:power_of_two")
-OUTPUTS = ((16, 0.45), (64, 0.3), (192, 0.17), (512, 0.08))  # budget, probability
+OUTPUTS = ((8, 0.45), (16, 0.3), (48, 0.17), (128, 0.08))  # budget, probability
 SAMPLE_S = 0.25
+FORCE_QUERY_ENV = "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK"
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 900.0) -> Any:
@@ -76,7 +79,7 @@ def workload(requests: int, rate: float, seed: int) -> list[tuple[float, str, in
     out, now = [], 0.0
     for _ in range(requests):
         now += rng.expovariate(rate)
-        chars = int(rng.uniform(40, 1200) * 4.2)  # ~4.2 characters a token in this text
+        chars = int(rng.uniform(40, 400) * 4.2)  # ~4.2 characters a token in this text
         start = rng.randrange(0, len(TEXT) - chars)
         out.append((now, TEXT[start:start + chars], rng.choices(budgets, weights)[0]))
     return out
@@ -137,8 +140,9 @@ def spread(samples: list[list[tuple[int, int]]]) -> dict[str, float]:
 
 def run_target(target: str, prefill: Any, decode: Any, jobs: list[tuple[float, str, int]],
                logs: Path) -> dict[str, Any]:
-    for server in (prefill, decode):
-        _post(server.base_url + "/flush_cache", {}, 60)
+    for server in (prefill, decode):  # (its answer is plain text)
+        urllib.request.urlopen(urllib.request.Request(server.base_url + "/flush_cache",
+                                                      method="POST"), timeout=60).read()
     with router_process(target, prefill, decode, logs) as router:
         sampler = Sampler(decode.base_url)
         sampler.start()
@@ -169,8 +173,8 @@ def run_target(target: str, prefill: Any, decode: Any, jobs: list[tuple[float, s
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=40)
-    p.add_argument("--rate", type=float, default=1.5, help="arrivals a second (Poisson)")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--rate", type=float, default=0.25, help="arrivals a second (Poisson)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
     p.add_argument("--max-total-tokens", type=int, default=16384, help="KV tokens a rank holds")
@@ -182,6 +186,10 @@ def main() -> None:
     decode = pd_server(MODEL, "decode", logs, args.max_total_tokens, dp, "decode-dp")
     for server in (prefill, decode):
         server.env = cpu_env(threads_bind="0|1")
+    # SGLang 0.5.23's DP prefill fails a request that names no prefill rank when its
+    # bootstrap room is odd (every plain-DP rank checks the room against attn_dp_rank 0); the
+    # remedy its own message names, so that routers naming no rank are served too
+    prefill.env[FORCE_QUERY_ENV] = "1"
     runs: dict[str, dict[str, Any]] = {t: {} for t in args.targets}
     with started([prefill, decode]):
         for seed in args.seeds:

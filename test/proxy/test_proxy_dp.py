@@ -44,9 +44,14 @@ def _worker(role: Role, ranks: int, port: int = 1) -> Worker:
 def test_a_rank_count_is_a_small_positive_int_or_refused(info: Any) -> None:
     with pytest.raises(ValueError):
         dp_size_from(info)
-    worker = _worker(Role.DECODE, 4)
-    learn_dp_size(worker, info)  # the router keeps going: one rank, no rank named
-    assert worker.dp_size == 1 and worker.rank_inflight_tokens == [0]
+    new = _worker(Role.DECODE, 1)
+    learn_dp_size(new, info)  # the router keeps going: one rank, no rank named
+    assert new.dp_size == 1 and new.rank_inflight_tokens == [0]
+    known = _worker(Role.DECODE, 4)  # re-admitted, its answer timed out under load: kept
+    learn_dp_size(known, info)
+    assert known.dp_size == 4 and len(known.rank_inflight_tokens) == 4
+    learn_dp_size(known, {"dp_size": 2})  # restarted with fewer ranks: a real answer counts
+    assert known.dp_size == 2 and len(known.rank_requests) == 2
     assert dp_size_from({"dp_size": 8, "other": "x"}) == 8
 
 

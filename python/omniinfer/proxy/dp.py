@@ -11,9 +11,10 @@ assumes ``bootstrap_room % dp_size``).
 Contracts:
 
 - A worker's rank count is its ``/server_info`` ``dp_size`` (1..``MAX_DP_RANKS``), read when
-  the router meets the worker (start, ``POST /add_worker``, re-admission). A worker whose answer
-  has no usable ``dp_size`` keeps one rank: the router names no rank for it and it balances by
-  itself; a warning names the reason.
+  the router meets the worker (start, ``POST /add_worker``, re-admission). An answer without a
+  usable ``dp_size`` changes nothing: a worker met for the first time keeps one rank (the router
+  names no rank for it and it balances by itself), a re-admitted one the count it had; a
+  warning names the reason.
 - A policy may name the rank itself (OAS's decode LPT places over ranks); otherwise the rank is
   the least loaded: the larger of the router's own in-flight tokens there and the rank's own
   report (KV tokens held for a decode rank; queued uncached prompt tokens for a prefill or
@@ -49,13 +50,16 @@ def dp_size_from(info: Any) -> int:
 
 
 def learn_dp_size(worker: Worker, info: Any) -> None:
-    """Set ``worker``'s rank count from its ``/server_info`` answer (one rank, with a warning,
-    when the answer does not say)."""
+    """Set ``worker``'s rank count from its ``/server_info`` answer. An answer that does not
+    say (a timeout under load, a bad value) leaves a known count as it is, and a worker met for
+    the first time with one rank; a warning names the reason."""
     try:
         size = dp_size_from(info)
     except ValueError as exc:
-        log.warning("--dp-aware: %s: %s; its requests name no rank", worker.url, exc)
-        size = 1
+        log.warning("--dp-aware: %s: %s; %s", worker.url, exc,
+                    f"keeping its {worker.dp_size} ranks" if worker.dp_size > 1
+                    else "its requests name no rank")
+        return
     if size != worker.dp_size:
         log.info("--dp-aware: %s has %d data-parallel rank(s)", worker.url, size)
     worker.set_dp_size(size)
