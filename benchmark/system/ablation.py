@@ -8,7 +8,14 @@ long-tailed mix, TTFT < 2 s and TPOT < 50 ms):
   no_placement  OmniProxy oas      + no placement (contiguous experts)  + pattern
   no_pattern    OmniProxy oas      + OmniPlacement                      + no pattern
   no_oas        SGLang router (smg 1.13, its best policy) + OmniPlacement + pattern
+  sglang_best   SGLang router (smg 1.13, its best policy) + SGLang's EPLB (the same spare slots,
+                its default period) + no pattern: what an SGLang user runs today, best-configured
   none          SGLang router (smg 1.13, its best policy) + no placement + no pattern
+
+The headline is ``full`` against ``sglang_best``. The pattern term is a shipped pattern file's
+(``--attn-pattern``; default the 4K strict file, the largest saving at the paper mix's context
+that holds +1 % perplexity on every judged kind of text): its share of compressed layers, sink and
+recent window.
 
 Each row is its own emulated cluster (``omniinfer emulate-worker`` with the row's MoE and
 pattern terms, see ``omniinfer.emulator.sparse``), the paper mix closed-loop at one
@@ -55,6 +62,8 @@ from omniinfer.bench.runner import run_closed_loop  # noqa: E402
 from omniinfer.bench.workloads import WorkloadSpec, paper  # noqa: E402
 
 PAPER_QPM = {"full": 616, "no_placement": 463, "no_pattern": 554, "no_oas": 575, "none": 404}
+PATTERNS = HERE.parents[1] / "python" / "omniinfer" / "attn" / "patterns"
+DEFAULT_PATTERN = PATTERNS / "smollm2-135m-4k-30.json"
 PEER_POLICIES = ("round_robin", "cache_aware", "power_of_two", "least_load", "bucket")
 
 
@@ -68,12 +77,26 @@ class Row:
 
 ROWS = (Row("full", "oas", "omni", True), Row("no_placement", "oas", "none", True),
         Row("no_pattern", "oas", "omni", False), Row("no_oas", "peer", "omni", True),
-        Row("none", "peer", "none", False))
+        Row("sglang_best", "peer", "eplb", False), Row("none", "peer", "none", False))
+NONE_ROW = ROWS[-1]
+
+
+def pattern_terms(path: Path) -> tuple[float, int, int]:
+    """A pattern file's (share of compressed layers, sink, recent): the emulator's pattern term.
+
+    Raises SystemExit with the reason when the file is not a pattern file."""
+    try:
+        data = json.loads(path.read_text())
+        layers = int(data["model"]["num_layers"])
+        fraction = len(data["compressed_layers"]) / layers
+        return fraction, int(data["sink"]), int(data["recent"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as exc:
+        raise SystemExit(f"--attn-pattern {path}: not a pattern file ({exc})") from None
 
 
 def emulator_flags(row: Row, args: argparse.Namespace) -> list[str]:
     """The emulator flags of one row, the same on prefill and decode workers: the MoE term is
-    always on (what varies is the placement: ``omni`` with ``--moe-redundant`` spare slots, or
+    always on (what varies is the placement: ``omni`` or SGLang's ``eplb`` with ``--moe-redundant`` spare slots, or
     contiguous experts without spares), the pattern term on or off. The values are the shipped
     ascend profiles' commented ``moe`` / ``attn_pattern`` blocks, except that both roles use
     ``--moe-ranks`` ranks (the decode block's 80 ranks do not divide OLMoE's 64 experts, which
@@ -145,6 +168,11 @@ def _stat(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def _values(runs: list[dict[str, Any]], row: str) -> list[float]:
+    return [float(r["summary"]["goodput_requests_per_minute"] or 0.0) for r in runs
+            if r["row"] == row and "summary" in r] or [float("nan")]
+
+
 def table(runs: list[dict[str, Any]], peer: str) -> tuple[str, dict[str, Any]]:
     by_row: dict[str, dict[str, Any]] = {}
     for row in ROWS:
@@ -167,11 +195,21 @@ def table(runs: list[dict[str, Any]], peer: str) -> tuple[str, dict[str, Any]]:
         router = "oas" if row.router == "oas" else f"smg:{peer}"
         spread = f"{good['median']:.0f} ({good['min']:.0f}-{good['max']:.0f})"
         ttft = f"{s['median_ttft_ms']['median']:.0f}/{s['p99_ttft_ms']['median']:.0f}"
+        paper_qpm = PAPER_QPM.get(row.name)
+        paper = (f"{paper_qpm:>11}{paper_qpm / PAPER_QPM['none']:>9.2f}" if paper_qpm
+                 else f"{'-':>11}{'-':>9}")
         lines.append(
             f"{row.name:<14}{router:<20}{s['requests_per_minute']['median']:>8.0f}"
             f"{spread:>26}{ttft:>18}{s['median_tpot_ms']['median']:>10.1f}{ratio:>8.2f}"
-            f"{PAPER_QPM[row.name]:>11}{PAPER_QPM[row.name] / PAPER_QPM['none']:>9.2f}")
+            f"{paper}")
         by_row[row.name]["x_none"] = ratio
+    best = by_row.get("sglang_best", {}).get("goodput_requests_per_minute")
+    full = by_row.get("full", {}).get("goodput_requests_per_minute")
+    if best and full:
+        ratios = sorted(f / b for f in _values(runs, "full") for b in _values(runs, "sglang_best"))
+        by_row["full"]["x_sglang_best"] = full["median"] / best["median"]
+        lines.append(f"full / sglang_best: {full['median'] / best['median']:.2f}x goodput "
+                     f"(every pair of repeats {ratios[0]:.2f}-{ratios[-1]:.2f}x)")
     return "\n".join(lines), by_row
 
 
@@ -190,9 +228,9 @@ def plot(by_row: dict[str, Any], path: Path) -> None:
     x = range(len(names))
     ax.bar([i - 0.2 for i in x], [o / base for o in ours], 0.4, yerr=[
         [v / base for v in lo], [v / base for v in hi]], label="emulated (goodput, x none)")
-    ax.bar([i + 0.2 for i in x], [PAPER_QPM[n] / PAPER_QPM["none"] for n in names], 0.4,
+    ax.bar([i + 0.2 for i in x], [PAPER_QPM.get(n, 0) / PAPER_QPM["none"] for n in names], 0.4,
            label="paper Table 2 (QPM, x none)")
-    ax.set_xticks(list(x), names)
+    ax.set_xticks(list(x), names, rotation=20, fontsize=8)
     ax.set_ylabel("x the 'none' row")
     ax.set_title("OmniInfer ablation")
     ax.legend()
@@ -213,20 +251,25 @@ def sensitivity(args: argparse.Namespace, peer: str, requests: list[Any], log_di
         moved = argparse.Namespace(**vars(args))
         value = getattr(args, name) or 0
         setattr(moved, name, type(value)(value * factor))
-        runs = [run_row(row, peer, moved, requests, log_dir / f"{name}x{factor:g}") for row in ROWS]
+        runs = [run_row(row, peer, moved, requests, log_dir / f"{name}x{factor:g}")
+                for row in ROWS if row.name in args.sensitivity_rows]
         for run in runs:
             run["repeat"] = 0
         _, by_row = table(runs, peer)
         out.append({"parameter": name, "factor": factor, "value": getattr(moved, name),
-                    "x_none": {k: v.get("x_none") for k, v in by_row.items()}, "runs": runs})
-    names = [r.name for r in ROWS]
-    lines = [f"{'moved':<26}" + "".join(f"{n:>14}" for n in names)]
+                    "x_none": {k: v.get("x_none") for k, v in by_row.items()},
+                    "full_x_sglang_best": by_row.get("full", {}).get("x_sglang_best"),
+                    "runs": runs})
+    names = [r.name for r in ROWS if r.name in args.sensitivity_rows]
+    lines = [f"{'moved':<26}" + "".join(f"{n:>14}" for n in names) + f"{'full/best':>11}"]
     lines.append(f"{'(main table)':<26}" + "".join(
-        f"{base.get(n, {}).get('x_none', float('nan')):>14.2f}" for n in names))
+        f"{base.get(n, {}).get('x_none', float('nan')):>14.2f}" for n in names)
+        + f"{base.get('full', {}).get('x_sglang_best') or float('nan'):>11.2f}")
     for item in out:
         label = f"{item['parameter']} x{item['factor']:g} ({item['value']:g})"
         lines.append(f"{label:<26}" + "".join(
-            f"{(item['x_none'].get(n) or float('nan')):>14.2f}" for n in names))
+            f"{(item['x_none'].get(n) or float('nan')):>14.2f}" for n in names)
+            + f"{item['full_x_sglang_best'] or float('nan'):>11.2f}")
     return "\n".join(lines), out
 
 
@@ -254,15 +297,17 @@ def main() -> int:
     p.add_argument("--moe-redundant", type=int, default=32)
     p.add_argument("--moe-model", default="olmoe")
     p.add_argument("--moe-skew", type=float, default=1.0)
-    p.add_argument("--attn-fraction", type=float, default=0.5)
-    p.add_argument("--attn-sink", type=int, default=128)
-    p.add_argument("--attn-recent", type=int, default=384)
+    p.add_argument("--attn-pattern", type=Path, default=DEFAULT_PATTERN,
+                   help="the pattern file whose compressed-layer share, sink and recent window "
+                   "the pattern term takes")
     p.add_argument("--decode-kv-tokens", type=int, default=None,
                    help="the decode workers' KV pool (--max-total-tokens); default: the "
                    "profile's, which no run here fills")
     p.add_argument("--sensitivity", action="store_true",
                    help="then every row once more with the MoE share, the routing skew and the "
                    "decode KV budget each moved by -50 %% and +50 %%")
+    p.add_argument("--sensitivity-rows", default=",".join(r.name for r in ROWS),
+                   help="the rows the sensitivity runs repeat (comma-separated)")
     p.add_argument("--slo-ttft", type=float, default=2.0)
     p.add_argument("--slo-tpot", type=float, default=0.050)
     p.add_argument("--seed", type=int, default=0)
@@ -271,6 +316,11 @@ def main() -> int:
     if args.quick:
         args.num_requests = min(args.num_requests, 96)
         args.peer_policies = "round_robin,cache_aware"
+    args.attn_fraction, args.attn_sink, args.attn_recent = pattern_terms(args.attn_pattern)
+    args.sensitivity_rows = tuple(args.sensitivity_rows.split(","))
+    unknown = set(args.sensitivity_rows) - {r.name for r in ROWS}
+    if unknown:
+        raise SystemExit(f"--sensitivity-rows: no row {sorted(unknown)[0]!r}")
     out = args.output_dir
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -281,19 +331,22 @@ def main() -> int:
     candidates = args.peer_policies.split(",")
     runs: list[dict[str, Any]] = []
     peer_runs = []
-    for policy in tqdm(candidates, desc="peer policies"):
+    for policy in tqdm(candidates if len(candidates) > 1 else [], desc="peer policies"):
         try:
-            peer_runs.append(run_row(ROWS[-1], policy, args, requests, logs))
+            peer_runs.append(run_row(NONE_ROW, policy, args, requests, logs))
         except RuntimeError as exc:  # a policy smg refuses here is no candidate
             print(f"  smg:{policy:<14} FAILED: {str(exc)[:200]}", flush=True)
             continue
         peer_runs[-1]["repeat"] = -1
         print(f"  smg:{policy:<14} goodput QPM "
               f"{peer_runs[-1]['summary']['goodput_requests_per_minute']:.0f}", flush=True)
-    if not peer_runs:
+    if len(candidates) == 1:  # the best policy named: no selection runs
+        peer = candidates[0]
+    elif not peer_runs:
         raise SystemExit("no peer policy ran")
-    best = max(peer_runs, key=lambda r: r["summary"]["goodput_requests_per_minute"])
-    peer = best["router"].split(":", 1)[1]
+    else:
+        best = max(peer_runs, key=lambda r: r["summary"]["goodput_requests_per_minute"])
+        peer = best["router"].split(":", 1)[1]
     for repeat in tqdm(range(args.repeats), desc="repeats"):
         for row in ROWS:
             run = run_row(row, peer, args, requests, logs)  # "none" again: no winner's curse

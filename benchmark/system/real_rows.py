@@ -9,12 +9,13 @@ the cores, every pair in one invocation:
   requests (``/v1/loads``) is how many were admitted at once
   (``benchmark/attn_runtime/burst.py``);
 - placement: a 2-rank expert-parallel server (``--tp 2 --ep 2 --ep-num-redundant-experts 2``)
-  without and with ``--enable-omni-placement``; concurrent streams of one skewed workload
-  (real text), a warm-up long enough for the controller to migrate, then the decode step time
-  (inter-token latency of streams decoding in one batch) measured; ``--rounds`` alternates
-  the two servers.
+  without a rebalancer, with SGLang's own ``--enable-eplb`` (the same spare slots, rebalancing
+  every ``--interval`` passes) and with ``--enable-omni-placement`` (the same interval);
+  concurrent streams of one skewed workload (real text), a warm-up long enough for both
+  rebalancers to act, then the decode step time (inter-token latency of streams decoding in
+  one batch) measured; ``--rounds`` rotates the order of the three servers.
 
-    python benchmark/system/real_rows.py                 # both, about 15 minutes
+    python benchmark/system/real_rows.py                 # both, about 20 minutes
     python benchmark/system/real_rows.py --only placement --rounds 3
 
 Prints the figures with their spreads and writes ``results/system/real_rows.json``.
@@ -88,8 +89,11 @@ def _decode_step_s(streams: list[list[float]]) -> float:
 
 def placement_server(name: str, args: argparse.Namespace, prompts: list[list[int]],
                      logs: Path) -> dict[str, Any]:
-    extra = [*EP, *(["--enable-omni-placement", "--omni-placement-interval",
-                     str(args.interval)] if name == "omni" else [])]
+    rebalancer = {"none": [], "eplb": ["--enable-eplb", "--eplb-rebalance-num-iterations",
+                                       str(args.interval)],
+                  "omni": ["--enable-omni-placement", "--omni-placement-interval",
+                           str(args.interval)]}[name]
+    extra = [*EP, *rebalancer]
     port = free_port()
     command = cpu_server_command(MOE, port, 8192, extra)
     log = logs / f"placement-{name}-{port}.log"
@@ -102,30 +106,38 @@ def placement_server(name: str, args: argparse.Namespace, prompts: list[list[int
             with urllib.request.urlopen(server.base_url + "/omni/placement", timeout=30) as r:
                 status = json.loads(r.read())
     step = _decode_step_s(streams)
+    rebalances = log.read_text(errors="replace").count("[EPLBManager] rebalance end")
     adopted = [m for m in (status or {}).get("migrations", []) if m.get("state") == "adopted"]
     last = next((d for d in (status or {}).get("decisions", [])
                  if d.get("adopted_layers")), None)  # the first adopted: B before any move
     return {"decode_step_ms": step * 1000, "migrations_adopted": len(adopted),
+            "eplb_rebalances": rebalances,
             "b_before": last and float(np.mean(last["b_before"])),
             "b_after_planned": last and float(np.mean(last["b_after_planned"]))}
 
 
 def placement_row(args: argparse.Namespace, tokenizer: Any, logs: Path) -> dict[str, Any]:
     prompts = _prompts(tokenizer, args.streams, args.prompt_len, offset=5000)
-    runs: dict[str, list[dict[str, Any]]] = {"none": [], "omni": []}
+    names = ("none", "eplb", "omni")
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for round_ in range(args.rounds):
-        for name in (("none", "omni") if round_ % 2 == 0 else ("omni", "none")):
+        for name in names[round_ % 3:] + names[:round_ % 3]:
             result = placement_server(name, args, prompts, logs)
             runs[name].append(result)
             print(f"  placement row, round {round_}, {name:<5} decode step "
-                  f"{result['decode_step_ms']:.1f} ms, migrations {result['migrations_adopted']}"
-                  f", mean B {result['b_before']} -> {result['b_after_planned']}", flush=True)
+                  f"{result['decode_step_ms']:.1f} ms, omni migrations "
+                  f"{result['migrations_adopted']}, EPLB rebalances {result['eplb_rebalances']}, "
+                  f"mean B {result['b_before']} -> {result['b_after_planned']}", flush=True)
     steps = {k: [r["decode_step_ms"] for r in v] for k, v in runs.items()}
-    paired = [o / n for o, n in zip(steps["omni"], steps["none"], strict=True)]
+
+    def paired(a: str, b: str) -> dict[str, float]:
+        ratios = [x / y for x, y in zip(steps[a], steps[b], strict=True)]
+        return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
     return {"runs": runs, "decode_step_ms": {k: {"median": statistics.median(v), "min": min(v),
                                                  "max": max(v)} for k, v in steps.items()},
-            "omni_over_none": {"median": statistics.median(paired), "min": min(paired),
-                               "max": max(paired)}}
+            "omni_over_none": paired("omni", "none"), "eplb_over_none": paired("eplb", "none"),
+            "omni_over_eplb": paired("omni", "eplb")}
 
 
 def main() -> int:
@@ -167,11 +179,12 @@ def main() -> int:
     if "placement" in results:
         r = results["placement"]
         s = r["decode_step_ms"]
-        print(f"placement: decode step {s['none']['median']:.1f} ms without "
-              f"({s['none']['min']:.1f}-{s['none']['max']:.1f}), {s['omni']['median']:.1f} ms "
-              f"with ({s['omni']['min']:.1f}-{s['omni']['max']:.1f}); with/without per round "
-              f"{r['omni_over_none']['median']:.3f} ({r['omni_over_none']['min']:.3f}-"
-              f"{r['omni_over_none']['max']:.3f})")
+        for name in ("none", "eplb", "omni"):
+            print(f"placement: decode step {name:<5} {s[name]['median']:.1f} ms "
+                  f"({s[name]['min']:.1f}-{s[name]['max']:.1f})")
+        for key in ("omni_over_none", "eplb_over_none", "omni_over_eplb"):
+            print(f"placement: {key} per round {r[key]['median']:.3f} "
+                  f"({r[key]['min']:.3f}-{r[key]['max']:.3f})")
     print(f"results: {args.out}; logs: {logs}")
     return 0
 

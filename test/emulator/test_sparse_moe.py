@@ -148,6 +148,26 @@ def test_eplb_rebalances_every_period_and_stalls_for_bytes_over_bandwidth() -> N
     assert stall == pytest.approx(experts_moved(first.slots, custom.in_force.slots) * 1000 * 10 / 1e9)
 
 
+def test_eplb_plans_with_sglangs_algorithm_on_the_counts_since_its_last_rebalance() -> None:
+    """SGLang's recorder buffer is as long as the rebalance interval: each EPLB pass sees the
+    windows since the previous one, summed, and nothing older; the start is a plan on a recorded
+    distribution (``--init-expert-location``, the best-configured peer), not the trivial layout."""
+    from omniinfer.placement.peer import eplb_plan
+
+    counts = stream()
+    moe = clock(placement="eplb", eplb_period=2)
+    assert moe.in_force.slots.tolist() == eplb_plan(counts[0], 8, 8).slots.tolist()
+    assert moe.in_force.slots.tolist() != contiguous(3, 64, 8).slots.tolist()
+    for _ in range(3):
+        moe.step(0.0)  # the third pass opens window 3: EPLB saw windows 1 and 2
+    assert moe.in_force.slots.tolist() == eplb_plan(counts[1] + counts[2], 8, 8).slots.tolist()
+    assert moe.in_force.slots.tolist() != eplb_plan(counts[2], 8, 8).slots.tolist()
+    for _ in range(2):
+        moe.step(0.0)  # window 5: windows 3 and 4 only
+    assert moe.in_force.slots.tolist() == eplb_plan(counts[3] + counts[4], 8, 8).slots.tolist()
+    assert moe.in_force.slots.tolist() != eplb_plan(counts[1:5].sum(axis=0), 8, 8).slots.tolist()
+
+
 def test_oracle_is_a_floor() -> None:
     oracle, omni = clock(placement="oracle"), clock(placement="omni")
     assert np.mean(run(oracle, 10)) < np.mean(run(omni, 10))
