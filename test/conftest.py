@@ -13,14 +13,14 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Tiny random Llama and Qwen3-MoE sharing one locally trained tokenizer."""
+    """Tiny random Llama, Qwen3 and Qwen3-MoE sharing one locally trained tokenizer."""
     from omniinfer.models import tiny
 
     root = tmp_path_factory.mktemp("tiny-models")
     tokenizer = tiny.train_tokenizer()
     return {
         arch: tiny.build(arch, root / arch, seed=0, tokenizer=tokenizer)
-        for arch in ("llama", "qwen3_moe")
+        for arch in ("llama", "qwen3", "qwen3_moe")
     }
 
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omniinfer.attn import evaluator, masks, passkey, pattern, text
+from omniinfer.attn import cost, evaluator, masks, passkey, pattern, retrieval, text
 from omniinfer.attn.baselines import BASELINES
 from omniinfer.attn.ga import GAConfig
 from omniinfer.attn.objective import to_bits
@@ -29,6 +29,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="which half of the text to use (search and eval never overlap)")
         q.add_argument("--context", type=int, default=2048, help="tokens per window")
         q.add_argument("--windows", type=int, default=windows, help="windows scored")
+        q.add_argument("--device", choices=evaluator.DEVICES, default="cpu",
+                       help="where the model runs (npu needs torch_npu)")
 
     s = sub.add_parser("search", help="genetic-algorithm search for compressed layers")
     common(s, "search", 1)
@@ -36,6 +38,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--recent", type=int, default=384)
     s.add_argument("--max-drop", type=float, default=0.01,
                    help="bound on the relative perplexity increase")
+    s.add_argument("--retrieval-cases", type=int, default=5,
+                   help="passkey cases per kind (one key; three look-alike keys) and haystack, "
+                   "depths spread evenly; a pattern must also hold retrieval (0: perplexity only)")
+    s.add_argument("--max-retrieval-drop", type=float, default=5.0,
+                   help="bound, in points, on the retrieval accuracy lost in any depth band")
+    s.add_argument("--retrieval-haystacks", default=f"{passkey.REPEATED_FILLER},tinyshakespeare",
+                   help="haystacks of the retrieval cases: the repeated filler and/or shipped "
+                   "texts (their search half; judging uses the held-out half)")
     s.add_argument("--budget", type=int, default=60, help="distinct patterns evaluated")
     s.add_argument("--population", type=int, default=GAConfig.population)
     s.add_argument("--generations", type=int, default=GAConfig.generations)
@@ -66,58 +76,121 @@ def _fail(message: str) -> int:
 
 
 def _load(args: argparse.Namespace, sink: int,
-          recent: int) -> tuple[Any, Any, evaluator.Evaluator]:
-    """``--model`` (model, tokenizer) and an evaluator on the windows ``--text/--part/--context/
-    --windows`` choose; OSError or ValueError when the model or the text cannot serve."""
-    model, tokenizer = evaluator.load_model(args.model)
+          recent: int) -> tuple[Any, Any, evaluator.Evaluator, float]:
+    """``--model`` (model, tokenizer) on ``--device``, an evaluator on the windows ``--text/
+    --part/--context/--windows`` choose, and the seconds per window of its reference pass;
+    OSError or ValueError when the model, the device or the text cannot serve."""
+    model, tokenizer = evaluator.load_model(args.model, args.device)
     body = text.part(text.read(args.text), args.part)
     windows = text.windows(tokenizer, body, args.context, args.windows)
-    return model, tokenizer, evaluator.Evaluator(model, windows, sink, recent)
+    began = time.perf_counter()
+    ev = evaluator.Evaluator(model, windows, sink, recent)
+    return model, tokenizer, ev, (time.perf_counter() - began) / len(windows)
+
+
+def _objective_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What a run folder's evaluations depend on; a resumed run must ask for the same."""
+    keys = ("text", "part", "context", "windows", "sink", "recent", "max_drop",
+            "retrieval_cases", "max_retrieval_drop", "retrieval_haystacks", "seed")
+    return {"model": args.model.name, **{k: str(getattr(args, k)) for k in keys}}
+
+
+def _check_run_dir(run_dir: Path, settings: dict[str, Any]) -> None:
+    """Record the objective in ``run_dir``, or ValueError if it holds another one's evaluations."""
+    path = run_dir / "objective.json"
+    if path.exists():
+        try:
+            before = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError:
+            before = None
+        if before != settings:
+            raise ValueError(f"--run-dir {run_dir} holds a search with other settings; "
+                             "give another --run-dir")
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings, indent=1) + "\n", encoding="utf-8")
 
 
 def run_search_command(args: argparse.Namespace) -> int:
     methods = (GA, *[m for m in args.baselines.split(",") if m])
+    checked = args.retrieval_cases > 0
     try:
+        if args.retrieval_cases < 0 or args.max_retrieval_drop <= 0:
+            raise ValueError("--retrieval-cases must be >= 0 and --max-retrieval-drop > 0")
         settings = SearchSettings(
             max_drop=args.max_drop,
             budget=args.budget,
             methods=methods,
             ga=GAConfig(population=args.population, generations=args.generations, seed=args.seed),
             time_limit_s=args.time_limit * 60 if args.time_limit > 0 else None,
+            key="constraint",
         )
     except ValueError as exc:
         return _fail(str(exc))
     if not args.model.is_dir():
         return _fail(f"--model: no model folder at {args.model}")
+    run_dir = args.run_dir or args.output.with_suffix(".run")
     try:
-        model, _, ev = _load(args, args.sink, args.recent)
+        _check_run_dir(run_dir, _objective_settings(args))
+        model, tokenizer, ev, per_window = _load(args, args.sink, args.recent)
+        check, per_case = None, 0.0
+        if checked:
+            began = time.perf_counter()
+            check = retrieval.RetrievalCheck(
+                model, tokenizer, args.context, args.retrieval_cases,
+                haystacks=[h for h in args.retrieval_haystacks.split(",") if h],
+                part="search", seed=args.seed, cache_dir=run_dir)
+            per_case = (time.perf_counter() - began) / len(check.cases)
     except (OSError, ValueError) as exc:
         return _fail(str(exc))
+    for line in cost.describe(args.model, model.config, args.context, args.windows,
+                              len(check.cases) if check else 0, args.budget, len(methods),
+                              per_window, per_case):
+        print(line, flush=True)
+    if check is not None:
+        print(f"retrieval: the full model answers {sum(check.full_passed)} of {len(check.cases)} "
+              "cases; a pattern may lose at most "
+              f"{args.max_retrieval_drop:g} points in any band", flush=True)
     records: dict[str, dict[str, Any]] = {}
 
     def evaluate(genome: tuple[bool, ...]) -> dict[str, Any]:
         figures = ev.evaluate(genome).to_json()
         figures["kv_saved_fraction"] = ev.kv_saved_fraction(genome, args.context)
+        figures["constraint"] = figures["drop"]
+        if check is not None:
+            figures.update(check.score(genome, args.sink, args.recent))
+            figures["constraint"] = retrieval.constraint(
+                figures["drop"], args.max_drop, figures["retrieval_loss_points"],
+                args.max_retrieval_drop)
         records[to_bits(genome)] = figures
         return figures
 
-    run_dir = args.run_dir or args.output.with_suffix(".run")
     results = run_search(evaluate, ev.num_layers, settings, run_dir, not args.no_progress)
     for name, result in results.items():
         best = best_of(result)
-        shown = "none within the bound" if best is None else (
+        shown = "none within the bounds" if best is None else (
             f"{sum(best)} layers, KV saved {ev.kv_saved_fraction(best) * 100:.1f}%"
         )
         print(f"{name}: {result.evaluations} evaluations ({result.stopped_by}), best: {shown}")
     ga = results[GA]
     best = best_of(ga)
     if best is None:
-        return _fail(f"no pattern within --max-drop {args.max_drop} found; nothing written")
+        bound = f"--max-drop {args.max_drop}" + (
+            f" and --max-retrieval-drop {args.max_retrieval_drop:g}" if checked else "")
+        return _fail(f"no pattern within {bound} found; nothing written")
     trial = next(t for t in ga.trials if t["pattern"] == ga.best)
+    fitness = {"drop": trial["drop"], "drop_stderr": trial["drop_stderr"],
+               "agreement": trial["agreement"], "max_drop": args.max_drop}
+    if checked:
+        fitness.update({k: trial[k] for k in ("retrieval_loss_points", "retrieval_worst_band",
+                                              "retrieval_full", "retrieval_pattern",
+                                              "retrieval_cases")},
+                       max_retrieval_drop=args.max_retrieval_drop,
+                       retrieval_haystacks=args.retrieval_haystacks)
     provenance = {
         "method": "genetic algorithm (omniinfer.attn.ga)",
-        "fitness": {"drop": trial["drop"], "drop_stderr": trial["drop_stderr"],
-                    "agreement": trial["agreement"], "max_drop": args.max_drop},
+        "objective": "perplexity and retrieval" if checked else "perplexity",
+        "fitness": fitness,
         "data": {"text": str(args.text), "part": args.part, "windows": args.windows,
                  "context": args.context, "tokens_scored": trial["tokens"]},
         "seed": args.seed,
@@ -147,7 +220,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
     except pattern.PatternError as exc:
         return _fail(str(exc))
     try:
-        model, tokenizer, ev = _load(args, found.sink, found.recent)
+        model, tokenizer, ev, _ = _load(args, found.sink, found.recent)
     except (OSError, ValueError) as exc:
         return _fail(str(exc))
     metrics = ev.evaluate(found.mask)

@@ -30,14 +30,52 @@ LOGIT_CHUNK = 512  # rows of the LM head computed at once (a 2K x vocab block is
 NOISE_BLOCK = 64  # tokens per block for the standard error (neighbouring tokens correlate)
 
 
-def load_model(model_dir: str | Path) -> tuple[Any, Any]:
-    """Model in float32 with the per-layer attention, and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+# Model types whose attention transformers routes through ``AttentionInterface`` with one
+# layer index per decoder layer: the families the per-layer masks are tested on or share code with.
+MASKABLE = ("llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+DEVICES = ("cpu", "cuda", "npu")
 
+
+def check_family(config: Any) -> None:
+    """Raise ValueError (one line) unless every layer of ``config``'s model can be masked."""
+    kind = getattr(config, "model_type", None)
+    if kind not in MASKABLE:
+        raise ValueError(f"model type {kind!r} is not one the search can mask "
+                         f"(supported: {', '.join(MASKABLE)})")
+    layer_types = getattr(config, "layer_types", None) or ()
+    sliding = [i for i, t in enumerate(layer_types) if t != "full_attention"]
+    if kind == "mistral" and getattr(config, "sliding_window", None):
+        sliding = list(range(int(config.num_hidden_layers)))
+    if sliding:
+        raise ValueError(f"layers {sliding[:4]}{'...' if len(sliding) > 4 else ''} use "
+                         "sliding-window attention, which a sink+recent window cannot replace")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda`` or ``npu`` (Ascend, through torch_npu); ValueError when unavailable."""
+    if name not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible")
+    if name == "npu":
+        try:
+            import torch_npu  # noqa: F401  (registers the npu device with torch)
+        except ImportError:
+            raise ValueError("--device npu needs torch_npu installed") from None
+    return torch.device(name)
+
+
+def load_model(model_dir: str | Path, device: str = "cpu") -> tuple[Any, Any]:
+    """Model in float32 with the per-layer attention on ``device``, and its tokenizer.
+    ValueError when the model's family cannot be masked or the device is missing."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    check_family(AutoConfig.from_pretrained(model_dir))
+    where = resolve_device(device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     masks.use(model)
-    return model, tokenizer
+    return model.to(where), tokenizer
 
 
 @dataclass(frozen=True)
@@ -73,7 +111,7 @@ def score_windows(
     results = []
     with torch.inference_mode():
         for ids in windows:
-            tokens = torch.tensor([list(ids)])
+            tokens = torch.tensor([list(ids)], device=model.device)
             hidden = backbone(input_ids=tokens, omni_windows=omni_windows).last_hidden_state
             hidden, targets = hidden[0, start:-1], tokens[0, start + 1 :]
             nll, choice = [], []
@@ -82,7 +120,7 @@ def score_windows(
                 logp = torch.log_softmax(logits, dim=-1)
                 nll.append(-logp.gather(1, targets[i : i + LOGIT_CHUNK, None])[:, 0])
                 choice.append(logits.argmax(dim=-1))
-            results.append(WindowScores(torch.cat(nll), torch.cat(choice)))
+            results.append(WindowScores(torch.cat(nll).cpu(), torch.cat(choice).cpu()))
     return results
 
 

@@ -65,14 +65,15 @@ def sink_recent_attention(
     """
     q_len, k_len = query.shape[2], key.shape[2]
     offset, block = k_len - q_len, block or BLOCK
+    device = query.device
     outputs = []
     for start in range(0, q_len, block):
         stop = min(start + block, q_len)
         first_q, last_q = offset + start, offset + stop - 1
         lo = max(sink, first_q - recent + 1)  # first recent key any query of the block sees
-        recent_keys = torch.arange(lo, max(lo, last_q + 1))
-        k_idx = torch.cat([torch.arange(min(sink, last_q + 1)), recent_keys])
-        q_pos = torch.arange(first_q, last_q + 1)
+        recent_keys = torch.arange(lo, max(lo, last_q + 1), device=device)
+        k_idx = torch.cat([torch.arange(min(sink, last_q + 1), device=device), recent_keys])
+        q_pos = torch.arange(first_q, last_q + 1, device=device)
         mask = window_mask(q_pos, k_idx, sink, recent)
         outputs.append(
             F.scaled_dot_product_attention(
@@ -112,8 +113,8 @@ def omni_attention_forward(
     elif sliding_window is None and q_len == k_len:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
     else:
-        q_pos = torch.arange(k_len - q_len, k_len)
-        mask = causal_mask(q_pos, torch.arange(k_len), sliding_window)
+        q_pos = torch.arange(k_len - q_len, k_len, device=query.device)
+        mask = causal_mask(q_pos, torch.arange(k_len, device=query.device), sliding_window)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 

@@ -26,11 +26,16 @@ Evaluate = Callable[[Genome], dict[str, Any]]
 
 @dataclass(frozen=True)
 class SearchSettings:
+    """``key`` names the figure of an evaluation that the bound ``max_drop`` applies to: the
+    perplexity increase (``drop``), or a figure that folds several bounds into that scale
+    (``constraint``, :func:`omniinfer.attn.retrieval.constraint`)."""
+
     max_drop: float = 0.01
     budget: int = 60  # distinct patterns each strategy may evaluate
     methods: tuple[str, ...] = (GA,)
     ga: GAConfig = field(default_factory=GAConfig)
     time_limit_s: float | None = None  # per strategy; None: budget only
+    key: str = "drop"
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m != GA and m not in BASELINES]
@@ -49,18 +54,21 @@ class MethodResult:
 
 
 class MetricsCache:
-    """Evaluations keyed by pattern bits, optionally mirrored to a JSON file."""
+    """Evaluations keyed by pattern bits, optionally mirrored to a JSON file. A record read back
+    without ``required`` (a run resumed with another objective) is evaluated again."""
 
-    def __init__(self, evaluate: Evaluate, path: Path | None = None) -> None:
+    def __init__(self, evaluate: Evaluate, path: Path | None = None,
+                 required: str = "drop") -> None:
         self.evaluate = evaluate
         self.path = path
+        self.required = required
         self.records: dict[str, dict[str, Any]] = {}
         if path is not None and path.exists():
             self.records = json.loads(path.read_text(encoding="utf-8"))
 
     def get(self, genome: Genome) -> dict[str, Any]:
         bits = to_bits(genome)
-        if bits not in self.records:
+        if self.required not in self.records.get(bits, {}):
             self.records[bits] = dict(self.evaluate(genome))
             self._write()
         return self.records[bits]
@@ -92,7 +100,7 @@ def run_method(
 
     def drop_of(genome: Genome) -> float:
         record = cache.get(genome)
-        return float(record["drop"])
+        return float(record[settings.key])
 
     def advance(objective: Objective) -> None:
         bar.update(1)
@@ -144,7 +152,8 @@ def run_search(
     progress: bool = True,
 ) -> dict[str, MethodResult]:
     """Run every method of ``settings`` in order; returns their results by name."""
-    cache = MetricsCache(evaluate, None if run_dir is None else run_dir / "evaluations.json")
+    cache = MetricsCache(evaluate, None if run_dir is None else run_dir / "evaluations.json",
+                         settings.key)
     return {
         method: run_method(method, cache, num_layers, settings, run_dir, progress)
         for method in settings.methods

@@ -1,4 +1,4 @@
-"""Tiny random Llama and Qwen3-MoE models with a locally trained tokenizer, for tests.
+"""Tiny random Llama, Qwen3 and Qwen3-MoE models with a locally trained tokenizer, for tests.
 
 Deterministic: the same seed gives the same tokenizer and the same weights, so a test can
 compare SGLang against Hugging Face transformers on identical checkpoints. Built in seconds.
@@ -35,6 +35,7 @@ COMMON: dict[str, Any] = dict(
 )
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
+    "qwen3": ("qwen3", {}),
     "qwen3_moe": (
         "qwen3_moe",
         dict(
@@ -84,7 +85,7 @@ def train_tokenizer() -> Any:
 def build(
     arch: str, output: Path, seed: int = 0, tokenizer: Any = None, **overrides: Any
 ) -> Path:
-    """Write a tiny random model of ``arch`` ("llama" or "qwen3_moe") to ``output``.
+    """Write a tiny random model of ``arch`` ("llama", "qwen3" or "qwen3_moe") to ``output``.
 
     ``overrides`` change config fields (e.g. a larger MoE for benchmarks).
     """
