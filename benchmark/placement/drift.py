@@ -2,7 +2,7 @@
 
 Run: .venv/bin/python benchmark/placement/drift.py
 Writes results/drift/<model>/seed<S>/{summary.json,b_over_time.png}, results/drift.json,
-results/eplb_period_sweep.json and results/predictors.json. The dynamic defaults were chosen on
+results/eplb_period_sweep.json, results/half_spares.json and results/predictors.json. The dynamic defaults were chosen on
 seeds 100-101; seeds 0-4 are judged.
 """
 
@@ -65,6 +65,28 @@ def run_drift(seeds: list[int], windows: int) -> dict:
             "per_seed": rows,
         }
     return table
+
+
+WINDOW_S = 100 * 0.0124  # 100 decode passes of 12.4 ms (ASSUMPTION, as vs_eplb.py)
+
+
+def run_half_spares(seeds: list[int], windows: int) -> dict:
+    """OLMoE on 16 devices: omni with 16 spare slots against SGLang's EPLB (every 10 windows)
+    with 32 and with 16; mean B and GB moved per hour of windows of ``WINDOW_S``."""
+    domains = read_domain_counts(model="olmoe")
+    hours = windows * WINDOW_S / 3600.0
+    layers = 58 / 3  # R1's MoE layers over the three recorded ones
+    out: dict = {}
+    for name, spares in (("omni", 16), ("eplb-periodic", 32), ("eplb-periodic", 16)):
+        bs, gb = [], []
+        for seed in seeds:
+            counts, _ = drift_workload(domains, DriftConfig(windows=windows, seed=seed))
+            b, policy = run_policy(name, counts, 16, spares, dynamic=DynamicConfig(), period=10)
+            bs.append(float(b.mean()))
+            gb.append(policy.moved * 44_040_192 * layers / 1e9 / hours)
+        out[f"{name}+{spares}"] = {"mean_b": float(np.mean(bs)), "per_seed_b": bs,
+                                   "gb_per_hour_r1": float(np.mean(gb))}
+    return out
 
 
 def run_predictors(seeds: list[int], windows: int) -> dict:
@@ -146,6 +168,13 @@ def main() -> None:
             f"every {period:>2} windows: mean B {row['mean_b']:.4f}, moved "
             f"{row['experts_migrated']:.0f} ({row['experts_migrated_if_aligned']:.0f} if aligned)"
         )
+    half = run_half_spares(seeds, args.windows)
+    (RESULTS / "half_spares.json").write_text(json.dumps(half, indent=2) + "\n")
+    print("\nHalf the spares (OLMoE, 16 devices; GB/hour at R1's 58 layers x 44 MB per expert, "
+          "windows of 100 passes of 12.4 ms)")
+    for name, row in half.items():
+        print(f"{name:<18} mean B {row['mean_b']:.4f}  worst seed {max(row['per_seed_b']):.4f}"
+              f"  moved {row['gb_per_hour_r1']:,.0f} GB/hour")
     preds = run_predictors(seeds, args.windows)
     (RESULTS / "predictors.json").write_text(json.dumps(preds, indent=2) + "\n")
     print("\nPredictors (OLMoE 16+16): L1 error of the forecast share vs the true mixture")
