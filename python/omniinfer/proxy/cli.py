@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from omniinfer.proxy.config import RouterConfig, config_from_args
+from omniinfer.proxy.peer_flags import add_peer_flags, split_peer_flags
 
 REPEATED = ("prefill", "decode", "kv-events-endpoint")  # in a file: a list, one entry per use
 
@@ -153,6 +154,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--prometheus-host", help="also serve /metrics on this host")
     o.add_argument("--prometheus-port", type=int, help="... and this port")
     o.add_argument("--log-level", choices=["debug", "info", "warn", "error"])
+    o.add_argument("--log-dir", help="also write the log to LOG_DIR/omniproxy.log")
+    o.add_argument("--shutdown-grace-period-secs", type=float,
+                   help="on SIGTERM stop accepting and give in-flight requests this long to "
+                   "finish (default 180)")
+    add_peer_flags(p)
 
 
 def _words(entry: Any) -> list[str]:
@@ -215,11 +221,24 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return values
 
 
-def resolve(args: argparse.Namespace) -> RouterConfig:
-    """The config asked for: the flags given, then the ``--config`` file's, then the defaults."""
+class RefusedFlags(ValueError):
+    """Flags of the peer router that OmniProxy does not support; one line each."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("; ".join(lines))
+        self.lines = lines
+
+
+def resolve_with_notes(args: argparse.Namespace) -> tuple[RouterConfig, list[str]]:
+    """The config asked for (the flags given, then the ``--config`` file's, then the defaults)
+    and a note for each accepted peer flag without effect; ``RefusedFlags`` when any given
+    peer flag is refused, ``ValueError`` for any other bad value."""
     given = dict(vars(args))
     path = given.pop("config", None)
     values = {**read_config_file(Path(path)), **given} if path is not None else given
+    values, notes, refusals = split_peer_flags(values)
+    if refusals:
+        raise RefusedFlags(refusals)
     config = config_from_args(argparse.Namespace(**values))
     from omniinfer.proxy.base import available_policies
 
@@ -228,15 +247,25 @@ def resolve(args: argparse.Namespace) -> RouterConfig:
         if config.policy_for(role) not in known:
             raise ValueError(f"unknown policy {config.policy_for(role)!r}; "
                              f"known: {', '.join(known)}")
-    return config
+    return config, notes
+
+
+def resolve(args: argparse.Namespace) -> RouterConfig:
+    return resolve_with_notes(args)[0]
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = resolve(args)
+        config, notes = resolve_with_notes(args)
+    except RefusedFlags as exc:
+        for line in exc.lines:
+            print(f"omniinfer router: error: {line}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as exc:
         print(f"omniinfer router: error: {exc}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"omniinfer router: note: {note}", file=sys.stderr)
     from omniinfer.proxy.server import serve
 
     return serve(config)

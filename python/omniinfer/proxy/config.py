@@ -80,6 +80,8 @@ class RouterConfig:
     prometheus_host: str | None = None
     prometheus_port: int | None = None
     log_level: str = "info"
+    log_dir: str | None = None  # also write the log to LOG_DIR/omniproxy.log
+    shutdown_grace_period_secs: float = 180.0  # in-flight requests' time to finish (the peer's)
 
     @property
     def max_attempts(self) -> int:
@@ -102,6 +104,8 @@ class RouterConfig:
             raise ValueError("--prefill/--decode need --pd-disaggregation")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError("--cache-threshold must be within [0, 1]")
+        if not 0.0 <= self.shutdown_grace_period_secs <= 86400.0:
+            raise ValueError("--shutdown-grace-period-secs must be within [0, 86400]")
         if self.apc_block_size <= 0:
             raise ValueError("--apc-block-size must be positive")
         if self.balance_rel_threshold < 1.0:

@@ -19,6 +19,7 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -382,7 +383,8 @@ async def open_router(config: RouterConfig) -> Serving:
     # past the keep-alive clients assume (aiohttp's client 15 s, httpx 5 s): a shorter one races
     # a client reusing the connection as it closes (its POST body cannot be written)
     runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None,
-                           keepalive_timeout=max(KEEPALIVE_S, config.client_header_timeout_secs))
+                           keepalive_timeout=max(KEEPALIVE_S, config.client_header_timeout_secs),
+                           shutdown_timeout=config.shutdown_grace_period_secs)
     await runner.setup()
     assert runner.server is not None
     listener = Listener(runner.server, config.max_connections, config.client_header_timeout_secs,
@@ -427,8 +429,17 @@ def serve(config: RouterConfig) -> int:
         print(f"omniinfer router: error: {exc}", file=sys.stderr)
         return 2
     level = {"warn": logging.WARNING}.get(config.log_level, config.log_level.upper())
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    form = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level, stream=sys.stderr, format=form)
+    if config.log_dir:
+        try:
+            Path(config.log_dir).mkdir(parents=True, exist_ok=True)
+            handler = logging.FileHandler(Path(config.log_dir) / "omniproxy.log")
+        except OSError as exc:
+            print(f"omniinfer router: error: --log-dir {config.log_dir}: {exc}", file=sys.stderr)
+            return 2
+        handler.setFormatter(logging.Formatter(form))
+        logging.getLogger().addHandler(handler)
     try:
         import uvloop
 

@@ -1,0 +1,118 @@
+"""A command line written for sglang-router 0.3.2 starts OmniProxy or names each refused flag.
+
+The peer's own parser (the installed ``sglang_router``) lists its flags; each gets a realistic
+value of the type and choices that parser declares.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from omniinfer.proxy import cli
+from omniinfer.proxy.peer_flags import BY_DEST, PEER_FLAGS, REFUSED
+
+PD = ["--pd-disaggregation", "--prefill", "http://127.0.0.1:30001", "9001",
+      "--decode", "http://127.0.0.1:30002"]
+
+
+def peer_actions() -> list[argparse.Action]:
+    from sglang_router.launch_router import RouterArgs
+
+    parser = argparse.ArgumentParser()
+    RouterArgs.add_cli_args(parser, use_router_prefix=False)
+    return [a for a in parser._actions if a.option_strings and a.dest != "help"]
+
+
+def realistic(action: argparse.Action) -> list[str]:
+    """A value the peer's parser accepts for ``action`` (nothing for a switch)."""
+    if action.nargs == 0:
+        return []
+    if action.choices:
+        value = str(sorted(map(str, action.choices))[0])
+    elif action.type is int:
+        value = "8"
+    elif action.type is float:
+        value = "2.5"
+    elif "path" in action.dest or "dir" in action.dest:
+        value = "/etc/sglang/file"
+    else:
+        value = "value"
+    return [value]
+
+
+def ours() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    cli.add_arguments(parser)
+    return parser
+
+
+def test_every_sglang_router_flag_is_known_to_omniproxy() -> None:
+    parser = ours()
+    known = {o for a in parser._actions for o in a.option_strings}
+    missing = [a.option_strings[0] for a in peer_actions()
+               if not set(a.option_strings) & known]
+    assert missing == []
+    assert len(PEER_FLAGS) == len(BY_DEST)  # no flag listed twice
+
+
+def test_a_line_of_every_peer_flag_names_each_refused_flag_with_its_reason(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    skip = {"worker_urls", "prefill", "decode", "pd_disaggregation", "config", "policy",
+            "prefill_policy", "decode_policy", "dp_aware", "host", "port", "log_level",
+            "log_dir"}
+    line = list(PD)
+    for action in peer_actions():
+        if action.dest not in skip:
+            line += [action.option_strings[0], *realistic(action)]
+    args = ours().parse_args(line)  # no flag is unknown
+    assert cli.run(args) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    refused = {f"--{f.name}" for f in PEER_FLAGS if f.status == REFUSED}
+    named = {e.split(": ")[2].split(" ")[0].rstrip(":") for e in errors}
+    assert refused <= named and all(e.startswith("omniinfer router: error: --") for e in errors)
+    for error in errors:
+        flag = error.split(": ")[2].split(" ")[0].rstrip(":")
+        reason = BY_DEST[flag[2:].replace("-", "_")].reason
+        assert error.endswith(reason) or reason in error  # each with its reason
+    assert "--backend" in named  # 'openai' (the first choice) is refused
+    assert "--history-backend" not in named  # 'memory' (the first choice) is accepted
+    assert len(errors) == len(named)  # one line per flag
+
+
+def test_a_line_of_the_accepted_peer_flags_resolves_with_a_note_each(tmp_path: Path) -> None:
+    line = list(PD)
+    accepted = [f for f in PEER_FLAGS if f.status != REFUSED]
+    for flag in accepted:
+        option = "--" + flag.name
+        line += [option] if flag.nargs == "switch" else [option, (flag.accepts or ("5",))[0]]
+    line += ["--shutdown-grace-period-secs", "30", "--log-dir", str(tmp_path)]
+    config, notes = cli.resolve_with_notes(ours().parse_args(line))
+    assert len(notes) == len(accepted)
+    assert config.shutdown_grace_period_secs == 30.0 and config.log_dir == str(tmp_path)
+    assert config.pd_disaggregation and config.prefill_urls == [("http://127.0.0.1:30001", 9001)]
+
+
+def test_a_default_only_flag_refuses_another_value_and_a_file_can_carry_peer_flags(
+    tmp_path: Path
+) -> None:
+    with pytest.raises(cli.RefusedFlags) as refused:
+        cli.resolve(ours().parse_args([*PD, "--history-backend", "redis"]))
+    assert refused.value.lines == ["--history-backend redis: conversation history storage (the "
+                                   "responses API's) is not supported (accepted: memory, none)"]
+    path = tmp_path / "router.json"
+    path.write_text('{"eviction_interval_secs": 30, "mini_lb": true, "tls_cert_path": "/c"}')
+    with pytest.raises(cli.RefusedFlags) as refused:
+        cli.resolve(ours().parse_args([*PD, "--config", str(path)]))
+    assert [line.split(":")[0] for line in refused.value.lines] == ["--tls-cert-path"]
+    path.write_text('{"eviction_interval_secs": 30, "mini_lb": true, "enable_trace": false}')
+    config, notes = cli.resolve_with_notes(ours().parse_args([*PD, "--config", str(path)]))
+    assert [n.split(" ")[0] for n in notes] == ["--eviction-interval-secs", "--mini-lb"]
+
+
+def test_the_grace_period_is_bounded() -> None:
+    with pytest.raises(ValueError, match="shutdown-grace-period-secs"):
+        cli.resolve(ours().parse_args([*PD, "--shutdown-grace-period-secs", "-1"]))
