@@ -116,3 +116,13 @@ def test_a_default_only_flag_refuses_another_value_and_a_file_can_carry_peer_fla
 def test_the_grace_period_is_bounded() -> None:
     with pytest.raises(ValueError, match="shutdown-grace-period-secs"):
         cli.resolve(ours().parse_args([*PD, "--shutdown-grace-period-secs", "-1"]))
+
+
+def test_smg_names_for_the_load_poll_are_aliases() -> None:
+    config = cli.resolve(ours().parse_args([*PD, "--load-monitor-interval", "0.5"]))
+    assert config.loads_poll_interval_secs == 0.5
+    config = cli.resolve(ours().parse_args([*PD, "--disable-load-monitoring"]))
+    assert config.loads_poll_interval_secs == 0.0
+    config, notes = cli.resolve_with_notes(ours().parse_args(
+        [*PD, "--dp-aware", "--dp-minimum-tokens-scheduler"]))
+    assert config.dp_aware and notes[0].startswith("--dp-minimum-tokens-scheduler accepted")
