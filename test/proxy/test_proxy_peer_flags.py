@@ -126,3 +126,53 @@ def test_smg_names_for_the_load_poll_are_aliases() -> None:
     config, notes = cli.resolve_with_notes(ours().parse_args(
         [*PD, "--dp-aware", "--dp-minimum-tokens-scheduler"]))
     assert config.dp_aware and notes[0].startswith("--dp-minimum-tokens-scheduler accepted")
+
+
+def test_metrics_on_the_peers_default_port_and_a_taken_one_is_skipped_unless_asked_for(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """/metrics on :29000 by default (a scrape config written for sglang-router keeps working);
+    with 29000 taken the router still starts, and an explicit taken port is an error."""
+    import asyncio
+    import socket
+    import urllib.request
+
+    from router_inproc import free_port
+
+    from omniinfer.proxy.config import RouterConfig
+    from omniinfer.proxy.server import DEFAULT_METRICS_PORT, open_router
+
+    def config(**extra: object) -> RouterConfig:
+        return RouterConfig(worker_urls=["http://127.0.0.1:9"], host="127.0.0.1",
+                            port=free_port(), loads_poll_interval_secs=0,
+                            disable_health_check=True, **extra)
+
+    async def main() -> None:
+        blocker = socket.socket()
+        blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT
+        try:
+            blocker.bind(("127.0.0.1", DEFAULT_METRICS_PORT))
+            blocker.listen()
+            taken = True
+        except OSError:
+            taken = False  # another process listens there: taken all the same
+        serving = await open_router(config())
+        try:
+            assert serving.extra is None  # started without the metrics port
+            assert "metrics port 29000 not available" in caplog.text
+        finally:
+            await serving.close()
+        with pytest.raises(OSError):
+            await open_router(config(prometheus_port=DEFAULT_METRICS_PORT))
+        if taken:
+            blocker.close()
+            serving = await open_router(config())
+            try:
+                url = f"http://127.0.0.1:{DEFAULT_METRICS_PORT}/metrics"
+                body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+                assert b"# TYPE" in body
+            finally:
+                await serving.close()
+        blocker.close()
+
+    asyncio.run(main())

@@ -157,7 +157,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rotate the access log past this size")
     o.add_argument("--access-log-backups", type=int)
     o.add_argument("--prometheus-host", help="also serve /metrics on this host")
-    o.add_argument("--prometheus-port", type=int, help="... and this port")
+    o.add_argument("--prometheus-port", type=int,
+                   help="... and this port (default 29000, as sglang-router's; 0: only the "
+                   "main port; a default port already taken is skipped with a warning)")
     o.add_argument("--log-level", choices=["debug", "info", "warn", "error"])
     o.add_argument("--log-dir", help="also write the log to LOG_DIR/omniproxy.log")
     o.add_argument("--shutdown-grace-period-secs", type=float,

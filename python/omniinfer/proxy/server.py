@@ -36,6 +36,9 @@ from omniinfer.proxy.redact import redact
 from omniinfer.proxy.workers import Role, Worker, normalize_url
 
 log = logging.getLogger("omniinfer.proxy")
+# /metrics also on this port unless --prometheus-port says otherwise (0: not), as sglang-router
+# and smg serve it; when the default port is taken the router starts without it
+DEFAULT_METRICS_PORT = 29000
 ROUTER_KEY = web.AppKey("router", Router)
 MAX_ADMIN_BODY = 64 * 1024
 KEEPALIVE_S = 75.0
@@ -392,14 +395,25 @@ async def open_router(config: RouterConfig) -> Serving:
     router.serve_on(listener)
     await listener.start(config.host, config.port)
     extra = None
-    if config.prometheus_port:
+    port = DEFAULT_METRICS_PORT if config.prometheus_port is None else config.prometheus_port
+    if port:
         metrics_app = web.Application(middlewares=[json_errors])
         metrics_app[ROUTER_KEY] = router
         metrics_app.router.add_get("/metrics", metrics, expect_handler=_expect)
         extra = web.AppRunner(metrics_app, access_log=None)
         await extra.setup()
-        await web.TCPSite(extra, config.prometheus_host or config.host,
-                          config.prometheus_port).start()
+        try:
+            await web.TCPSite(extra, config.prometheus_host or config.host, port).start()
+        except OSError as exc:
+            await extra.cleanup()
+            extra = None
+            if config.prometheus_port is not None:  # asked for: a usage error
+                await listener.close()
+                await runner.cleanup()
+                await router.close()
+                raise
+            log.warning("metrics port %d not available (%s): /metrics is served on the main "
+                        "port only", port, exc.strerror or exc)
     return Serving(router, runner, listener, extra)
 
 
