@@ -57,9 +57,6 @@ class HostStream:
     def wait_event(self, event: Any) -> None:
         event.wait(self)
 
-    def wait_stream(self, stream: Any) -> None:
-        return None
-
     def synchronize(self) -> None:
         return None
 

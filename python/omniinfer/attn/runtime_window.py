@@ -57,11 +57,6 @@ def kept_positions(seq_len: int, sink: int, recent: int) -> list[int]:
     return key_span(seq_len - 1, seq_len, sink, recent).positions()
 
 
-def first_needed_after_decode(seq_len: int, recent: int) -> int:
-    """Lowest non-sink position any query at ``>= seq_len - 1`` still reads."""
-    return max(0, seq_len - recent)
-
-
 def freeable_range(
     pre_len: int, sink: int, recent: int, cursor: int, interval: int = 1
 ) -> tuple[int, int]:

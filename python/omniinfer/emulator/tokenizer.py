@@ -54,10 +54,6 @@ class EmulatedTokenizer:
         ids.extend(self._piece_id(p) for p in _PIECES.findall(text, pos))
         return ids
 
-    @staticmethod
-    def token_text(token: int) -> str:
-        return _WORDS[token % len(_WORDS)]
-
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(_WORDS[t % len(_WORDS)] for t in ids)
 

@@ -67,10 +67,6 @@ class Placement:
     def num_devices(self) -> int:
         return int(self.slots.shape[1])
 
-    @property
-    def slots_per_device(self) -> int:
-        return int(self.slots.shape[2])
-
     def copy(self) -> Placement:
         return Placement(self.slots.copy(), self.num_experts)
 

@@ -135,12 +135,6 @@ class PrefixIndex:
             self._disown(h, bit)
         del self._keys[bit]
 
-    def clear_all(self) -> None:
-        self._blocks.clear()
-        self._owners.clear()
-        self._bits.clear()
-        self._keys.clear()
-
     def _disown(self, h: int, bit: int) -> None:
         mask = self._owners.get(h)
         if mask is not None:
