@@ -8,9 +8,9 @@ did not read): a window of ``context`` tokens of running text, then::
     Answer: "<first words>
 
 and the answer is the sentence's next ``--answer-tokens`` tokens, which only the context holds
-(the opening is unique in the window, whitespace taken as single spaces; the sentence sits at a
-depth spread over 0.05-0.8 of it, so the answer is outside the recent window of a compressed
-layer). A question is right when the
+(the opening is unique in the window, whitespace taken as single spaces; the sentence ends at
+least the patterns' recent window + 64 tokens before the question, so a compressed layer has
+evicted it). A question is right when the
 server's greedy tokens equal them. Every condition answers the same questions: a plain server
 ("none") and one server per pattern file at that context, started one after another.
 
@@ -46,27 +46,33 @@ QUESTION = '\n\nQuestion: In the text above, how does the sentence that begins "
 LEAD_WORDS = 8
 
 
-def make_questions(tokenizer: Any, context: int, count: int, answer_tokens: int,
-                   seed: int) -> list[dict[str, Any]]:
-    """``count`` questions of exactly ``context`` prompt tokens, spread over ``TEXTS``."""
+def make_questions(tokenizer: Any, context: int, count: int, answer_tokens: int, seed: int,
+                   recent: int) -> list[dict[str, Any]]:
+    """``count`` questions of exactly ``context`` prompt tokens, spread over ``TEXTS``, each
+    answer at least ``recent`` + 64 tokens before the end of the prompt (outside the recent
+    window of every pattern it is asked under)."""
     rng = random.Random(seed)
     out: list[dict[str, Any]] = []
-    bodies = {name: text.part(text.read(name), "heldout") for name in TEXTS}
+    tokens = {name: tokenizer(text.part(text.read(name), "heldout"),
+                              add_special_tokens=False)["input_ids"] for name in TEXTS}
+    names = [name for name in TEXTS if len(tokens[name]) >= context + 64]
+    latest = 1.0 - (recent + 64) / context  # the deepest a sentence may start
+    if not names or latest <= 0.1:
+        raise SystemExit(f"no text long enough for {context}-token questions past the window")
     attempts = 0
     while len(out) < count:
         attempts += 1
         if attempts > 200 * count:
             raise SystemExit(f"could not make {count} questions at {context} tokens")
-        name = TEXTS[len(out) % len(TEXTS)]
-        ids = tokenizer(bodies[name], add_special_tokens=False)["input_ids"]
-        if len(ids) < context + 64:
-            continue
+        name = names[len(out) % len(names)]
+        ids = tokens[name]
         start = rng.randrange(0, len(ids) - context - 64)
         window = tokenizer.decode(ids[start:start + context])
         flat = re.sub(r"\s+", " ", window)  # line breaks inside sentences become spaces
-        depth_goal = rng.uniform(0.05, 0.8)
+        depth_goal = rng.uniform(0.05, latest - 0.05)
         sentences = [m for m in re.finditer(r"(?<=[.!?] )([A-Z][^.!?]{40,300}[.!?])", flat)
-                     if abs(m.start() / len(flat) - depth_goal) < 0.1]
+                     if abs(m.start() / len(flat) - depth_goal) < 0.05
+                     and m.end() / len(flat) <= latest]
         if not sentences:
             continue
         match = sentences[0]
@@ -133,8 +139,10 @@ def main() -> int:
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "contexts": {}}
     began = time.perf_counter()
     for context in [int(c) for c in args.contexts.split(",")]:
+        recent = max((json.loads((PATTERNS / n).read_text())["recent"]
+                      for n in BY_CONTEXT.get(context, ())), default=0)
         questions = make_questions(tokenizer, context, args.questions, args.answer_tokens,
-                                   args.seed)
+                                   args.seed, recent)
         rows: dict[str, Any] = {}
         for name in ("none", *BY_CONTEXT.get(context, ())):
             pattern = None if name == "none" else PATTERNS / name

@@ -29,7 +29,7 @@ for omni (5 per rank), the R1 sizes of ``ablation.py`` otherwise (58
 MoE layers, 44 MB per expert, 313.6 GB/s, MoE share 0.55). The decode pass is 12.4 ms (the P50
 TPOT of the ablation's full row; ASSUMPTION for the hour figures).
 
-    python benchmark/placement/vs_eplb.py                 # seeds 0-4 judged, about 3 min
+    python benchmark/placement/vs_eplb.py                 # seeds 0-4 judged, about 1 min
     python benchmark/placement/vs_eplb.py --seeds 100,101 # the tuning seeds
 
 Prints a table; writes ``results/vs_eplb.json`` and ``results/vs_eplb.png`` (B over time for both

@@ -111,8 +111,9 @@ def test_a_model_family_it_cannot_mask_is_refused_in_one_line(
     assert "model type 'gpt2' is not one the search can mask" in err[0]
     sliding = tmp_path / "mistral"
     AutoConfig.for_model("mistral", num_hidden_layers=2, sliding_window=64).save_pretrained(sliding)
-    code = main(["attn", "eval", "--model", str(sliding), "--pattern", str(tmp_path / "none")])
-    assert code == 2
+    code = main(["attn", "search", "--model", str(sliding), "--output", str(tmp_path / "m.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "sliding-window attention" in err[0]
 
 
 def test_a_missing_device_and_a_run_folder_of_another_search_are_refused(
@@ -137,3 +138,30 @@ def test_a_missing_device_and_a_run_folder_of_another_search_are_refused(
     code = main([*common, "--retrieval-cases", "0"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "holds a search with other settings" in err[0]
+
+
+def test_the_memory_estimate_scales_the_saved_dtype_to_float32(tmp_path: Path) -> None:
+    from omniinfer.attn import cost
+
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x" * 5000)  # one format only is counted
+    (tmp_path / "config.json").write_text('{"dtype": "bfloat16"}')
+    assert cost.weight_bytes(tmp_path) == 2000
+    (tmp_path / "config.json").write_text("{}")
+    assert cost.weight_bytes(tmp_path) == 1000
+
+
+def test_bad_bounds_and_an_old_run_folder_are_refused_in_one_line(
+    tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, output = tiny_models["llama"], tmp_path / "p.json"
+    for bad in (["--max-drop", "0"], ["--retrieval-haystacks", ","]):
+        assert main(["attn", "search", "--model", str(model), *bad, "--output", str(output)]) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    old = tmp_path / "old.run"
+    old.mkdir()
+    (old / "evaluations.json").write_text("{}")
+    code = main(["attn", "search", "--model", str(model), "--run-dir", str(old), "--output",
+                 str(output)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "recorded no objective" in err[0]

@@ -56,6 +56,9 @@ def test_every_sglang_router_flag_is_known_to_omniproxy() -> None:
                if not set(a.option_strings) & known]
     assert missing == []
     assert len(PEER_FLAGS) == len(BY_DEST)  # no flag listed twice
+    peer = {a.dest for a in peer_actions()}
+    assert {f for f in BY_DEST if f not in peer} == {"dp_minimum_tokens_scheduler",
+                                                     "disable_load_monitoring"}  # smg's
 
 
 def test_a_line_of_every_peer_flag_names_each_refused_flag_with_its_reason(
@@ -113,16 +116,18 @@ def test_a_default_only_flag_refuses_another_value_and_a_file_can_carry_peer_fla
     assert [n.split(" ")[0] for n in notes] == ["--eviction-interval-secs", "--mini-lb"]
 
 
-def test_the_grace_period_is_bounded() -> None:
+def test_the_grace_period_and_the_metrics_port_are_bounded() -> None:
     with pytest.raises(ValueError, match="shutdown-grace-period-secs"):
         cli.resolve(ours().parse_args([*PD, "--shutdown-grace-period-secs", "-1"]))
+    with pytest.raises(ValueError, match="prometheus-port"):
+        cli.resolve(ours().parse_args([*PD, "--prometheus-port", "70000"]))
 
 
 def test_smg_names_for_the_load_poll_are_aliases() -> None:
     config = cli.resolve(ours().parse_args([*PD, "--load-monitor-interval", "0.5"]))
     assert config.loads_poll_interval_secs == 0.5
-    config = cli.resolve(ours().parse_args([*PD, "--disable-load-monitoring"]))
-    assert config.loads_poll_interval_secs == 0.0
+    config, notes = cli.resolve_with_notes(ours().parse_args([*PD, "--disable-load-monitoring"]))
+    assert config.loads_poll_interval_secs == 1.0 and notes  # smg's switch: polling stays on
     config, notes = cli.resolve_with_notes(ours().parse_args(
         [*PD, "--dp-aware", "--dp-minimum-tokens-scheduler"]))
     assert config.dp_aware and notes[0].startswith("--dp-minimum-tokens-scheduler accepted")
@@ -166,6 +171,11 @@ def test_metrics_on_the_peers_default_port_and_a_taken_one_is_skipped_unless_ask
             await open_router(config(prometheus_port=DEFAULT_METRICS_PORT))
         if taken:
             blocker.close()
+            keyed = await open_router(config(api_key="secret"))  # that listener asks no key
+            try:
+                assert keyed.extra is None  # 29000 is free, yet not opened
+            finally:
+                await keyed.close()
             serving = await open_router(config())
             try:
                 url = f"http://127.0.0.1:{DEFAULT_METRICS_PORT}/metrics"

@@ -7,6 +7,7 @@ reference pass has been timed, before the first pattern is scored.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +16,19 @@ GIB = 1024**3
 SAVED_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def weight_bytes(model_dir: Path, config: Any) -> int:
-    """Bytes of the weights once loaded in float32: the checkpoint files' size scaled from the
-    dtype they were saved in (float32 when the config does not say)."""
-    files = [*Path(model_dir).glob("*.safetensors"), *Path(model_dir).glob("*.bin")]
+def weight_bytes(model_dir: Path) -> int:
+    """Bytes of the weights once loaded in float32: the checkpoint files' size (safetensors, or
+    else ``.bin``) scaled from the dtype the folder's ``config.json`` says they were saved in
+    (float32 when it does not say; the loaded config says float32 whatever was saved)."""
+    folder = Path(model_dir)
+    files = list(folder.glob("*.safetensors")) or list(folder.glob("*.bin"))
     on_disk = sum(f.stat().st_size for f in files)
-    dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
-    return on_disk * 4 // SAVED_BYTES.get(dtype.replace("torch.", ""), 4)
+    try:
+        saved = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        saved = {}
+    dtype = saved.get("dtype") or saved.get("torch_dtype") if isinstance(saved, dict) else None
+    return on_disk * 4 // SAVED_BYTES.get(str(dtype or "float32"), 4)
 
 
 def window_bytes(config: Any, context: int, logit_rows: int = 512) -> int:
@@ -42,7 +49,7 @@ def describe(model_dir: Path, config: Any, context: int, windows: int, cases: in
              budget: int, methods: int, seconds_per_window: float,
              seconds_per_case: float) -> list[str]:
     """The lines printed before a search: memory, passes per pattern, and the time they take."""
-    weights, window = weight_bytes(model_dir, config), window_bytes(config, context)
+    weights, window = weight_bytes(model_dir), window_bytes(config, context)
     per_pattern = windows * seconds_per_window + cases * seconds_per_case
     total = per_pattern * budget * methods
     return [

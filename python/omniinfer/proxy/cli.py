@@ -134,9 +134,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    dest="loads_poll_interval_secs",
                    help="poll each worker's /v1/loads this often (0: never); "
                    "--load-monitor-interval is smg's name")
-    q.add_argument("--disable-load-monitoring", action="store_const", const=0.0,
-                   dest="loads_poll_interval_secs",
-                   help="smg's name for --loads-poll-interval-secs 0")
     q.add_argument("--load-feed", choices=("auto", "off"),
                    help="auto (default): read the load of a worker that advertises SGLang's "
                    "load feed (--load-publish-endpoint) from it, polling it only while the "

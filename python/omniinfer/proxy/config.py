@@ -104,6 +104,8 @@ class RouterConfig:
             raise ValueError("--prefill/--decode need --pd-disaggregation")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError("--cache-threshold must be within [0, 1]")
+        if self.prometheus_port is not None and not 0 <= self.prometheus_port <= 65535:
+            raise ValueError("--prometheus-port must be within [0, 65535]")
         if not 0.0 <= self.shutdown_grace_period_secs <= 86400.0:
             raise ValueError("--shutdown-grace-period-secs must be within [0, 86400]")
         if self.apc_block_size <= 0:

@@ -1,5 +1,5 @@
-"""sglang-router 0.3.2 flags OmniProxy has no setting for (and smg 1.13's
-``--dp-minimum-tokens-scheduler``): accepted with a note, or refused.
+"""sglang-router 0.3.2 flags OmniProxy has no setting for (and two of smg 1.13's):
+accepted with a note, or refused.
 
 A deployment written for ``python -m sglang_router.launch_router`` must not die of an unknown
 flag. Every flag of that router that OmniProxy does not implement as a setting is listed here
@@ -76,7 +76,10 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
              "(--tool-call-parser)"),
     PeerFlag("dp-minimum-tokens-scheduler", INERT, "smg's rank choice by fewest tokens: "
              "OmniProxy's --dp-aware already sends each request to the rank with the fewest "
-             "tokens in flight", nargs="switch"),
+             "tokens in flight (without --dp-aware no rank is named)", nargs="switch"),
+    PeerFlag("disable-load-monitoring", INERT, "smg's switch for its conditional load "
+             "polling; OmniProxy polls loads as --loads-poll-interval-secs and --load-feed say",
+             nargs="switch"),
     PeerFlag("backend", DEFAULT, "OmniProxy routes to SGLang workers only", accepts=("sglang",)),
     PeerFlag("history-backend", DEFAULT, _HISTORY, accepts=("memory", "none")),
     PeerFlag("enable-igw", REFUSED, "the multi-model inference gateway mode is not supported",

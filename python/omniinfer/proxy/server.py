@@ -37,7 +37,8 @@ from omniinfer.proxy.workers import Role, Worker, normalize_url
 
 log = logging.getLogger("omniinfer.proxy")
 # /metrics also on this port unless --prometheus-port says otherwise (0: not), as sglang-router
-# and smg serve it; when the default port is taken the router starts without it
+# and smg serve it; when the default port is taken, or a key is configured (that listener asks
+# for none), the router starts without it
 DEFAULT_METRICS_PORT = 29000
 ROUTER_KEY = web.AppKey("router", Router)
 MAX_ADMIN_BODY = 64 * 1024
@@ -396,6 +397,12 @@ async def open_router(config: RouterConfig) -> Serving:
     await listener.start(config.host, config.port)
     extra = None
     port = DEFAULT_METRICS_PORT if config.prometheus_port is None else config.prometheus_port
+    if config.prometheus_port is None and (config.api_key or config.control_plane_api_keys):
+        # /metrics names the workers and asks for a key on the main port; the extra listener
+        # is open, so it opens only when asked for (--prometheus-port)
+        log.info("a key is configured: /metrics on the main port only (give --prometheus-port "
+                 "for an open metrics listener)")
+        port = 0
     if port:
         metrics_app = web.Application(middlewares=[json_errors])
         metrics_app[ROUTER_KEY] = router
