@@ -122,15 +122,24 @@ def placement_row(args: argparse.Namespace, tokenizer: Any, logs: Path) -> dict[
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for round_ in range(args.rounds):
         for name in names[round_ % 3:] + names[:round_ % 3]:
-            result = placement_server(name, args, prompts, logs)
+            try:
+                result = placement_server(name, args, prompts, logs)
+            except (aiohttp.ClientError, RuntimeError, OSError) as exc:
+                failure = _server_failure(logs, name) or f"{type(exc).__name__}: {exc}"
+                runs.setdefault(f"{name}_failed", []).append({"error": failure})
+                print(f"  placement row, round {round_}, {name:<5} FAILED: {failure}", flush=True)
+                continue
             runs[name].append(result)
             print(f"  placement row, round {round_}, {name:<5} decode step "
                   f"{result['decode_step_ms']:.1f} ms, omni migrations "
                   f"{result['migrations_adopted']}, EPLB rebalances {result['eplb_rebalances']}, "
                   f"mean B {result['b_before']} -> {result['b_after_planned']}", flush=True)
-    steps = {k: [r["decode_step_ms"] for r in v] for k, v in runs.items()}
+    steps = {k: [r["decode_step_ms"] for r in v] for k, v in runs.items()
+             if v and not k.endswith("_failed")}
 
-    def paired(a: str, b: str) -> dict[str, float]:
+    def paired(a: str, b: str) -> dict[str, float] | None:
+        if len(steps.get(a, ())) != args.rounds or len(steps.get(b, ())) != args.rounds:
+            return None  # a server failed in some round: no paired figure
         ratios = [x / y for x, y in zip(steps[a], steps[b], strict=True)]
         return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
@@ -138,6 +147,17 @@ def placement_row(args: argparse.Namespace, tokenizer: Any, logs: Path) -> dict[
                                                  "max": max(v)} for k, v in steps.items()},
             "omni_over_none": paired("omni", "none"), "eplb_over_none": paired("eplb", "none"),
             "omni_over_eplb": paired("omni", "eplb")}
+
+
+def _server_failure(logs: Path, name: str) -> str | None:
+    """The exception line a server of ``name`` logged last, if any."""
+    for log in sorted(logs.glob(f"placement-{name}-*.log"), key=lambda p: p.stat().st_mtime,
+                      reverse=True):
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines()
+                 if "Error:" in line and "Ignore import error" not in line]
+        if lines:
+            return lines[-1][:300]
+    return None
 
 
 def main() -> int:
@@ -180,11 +200,15 @@ def main() -> int:
         r = results["placement"]
         s = r["decode_step_ms"]
         for name in ("none", "eplb", "omni"):
-            print(f"placement: decode step {name:<5} {s[name]['median']:.1f} ms "
-                  f"({s[name]['min']:.1f}-{s[name]['max']:.1f})")
+            if name in s:
+                print(f"placement: decode step {name:<5} {s[name]['median']:.1f} ms "
+                      f"({s[name]['min']:.1f}-{s[name]['max']:.1f})")
+            for failed in r["runs"].get(f"{name}_failed", []):
+                print(f"placement: {name} server failed: {failed['error']}")
         for key in ("omni_over_none", "eplb_over_none", "omni_over_eplb"):
-            print(f"placement: {key} per round {r[key]['median']:.3f} "
-                  f"({r[key]['min']:.3f}-{r[key]['max']:.3f})")
+            if r[key] is not None:
+                print(f"placement: {key} per round {r[key]['median']:.3f} "
+                      f"({r[key]['min']:.3f}-{r[key]['max']:.3f})")
     print(f"results: {args.out}; logs: {logs}")
     return 0
 
