@@ -170,6 +170,8 @@ def run_search_command(args: argparse.Namespace) -> int:
             figures["constraint"] = retrieval.constraint(
                 figures["drop"], args.max_drop, figures["retrieval_loss_points"],
                 args.max_retrieval_drop)
+        if all(genome):  # the server keeps at least one full layer: never a candidate
+            figures["constraint"] = float("inf")
         records[to_bits(genome)] = figures
         return figures
 
