@@ -87,6 +87,13 @@ def run_clock(placement: str, redundant: int, speed: str, seed: int,
             "b_per_window": b_per_window}
 
 
+
+def _relative(value: object) -> str:
+    """An argument as the results file records it: paths inside the repository relative to it."""
+    text = str(value)
+    root = str(RESULTS.parents[2]) + "/"
+    return text[len(root):] if text.startswith(root) else text
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", default="0,1,2,3,4")
@@ -134,7 +141,7 @@ def main() -> int:
               f" {row['step_vs_eplb_without_stalls']:>9.3f} {row['stall_share']:>7.2%}"
               f" {row['gb_per_hour']:>8.0f}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+    args.output.write_text(json.dumps({"args": {k: _relative(v) for k, v in vars(args).items()},
                                        "rows": rows, "runs": runs}, indent=1) + "\n")
     plot(runs, seeds[0], setups, args.output.with_suffix(".png"))
     print(f"wrote {args.output} and {args.output.with_suffix('.png').name}")
