@@ -35,6 +35,7 @@ from typing import Any
 from tqdm import tqdm
 
 from omniinfer.attn import evaluator, text
+from omniinfer.bench.records import recorded_args
 
 HERE = Path(__file__).resolve().parent
 PATTERNS = HERE.parents[1] / "python" / "omniinfer" / "attn" / "patterns"
@@ -125,12 +126,6 @@ def serve(args: argparse.Namespace, pattern: Path | None, context: int,
 
 
 
-def _relative(value: object) -> str:
-    """An argument as the results file records it: paths inside the repository relative to it."""
-    text = str(value)
-    root = str(HERE.parents[1]) + "/"
-    return text[len(root):] if text.startswith(root) else text
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=evaluator.DEFAULT_MODEL)
@@ -143,7 +138,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    results: dict[str, Any] = {"args": {k: _relative(v) for k, v in vars(args).items()}, "contexts": {}}
+    results: dict[str, Any] = {"args": recorded_args(args, HERE.parents[1]), "contexts": {}}
     began = time.perf_counter()
     for context in [int(c) for c in args.contexts.split(",")]:
         recent = max((json.loads((PATTERNS / n).read_text())["recent"]

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from omniinfer.bench.records import recorded_args
 from omniinfer.emulator.sparse import MoeClock, MoeConfig
 from omniinfer.placement.simulate import DriftConfig
 
@@ -87,12 +88,6 @@ def run_clock(placement: str, redundant: int, speed: str, seed: int,
             "b_per_window": b_per_window}
 
 
-
-def _relative(value: object) -> str:
-    """An argument as the results file records it: paths inside the repository relative to it."""
-    text = str(value)
-    root = str(RESULTS.parents[2]) + "/"
-    return text[len(root):] if text.startswith(root) else text
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -141,7 +136,7 @@ def main() -> int:
               f" {row['step_vs_eplb_without_stalls']:>9.3f} {row['stall_share']:>7.2%}"
               f" {row['gb_per_hour']:>8.0f}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"args": {k: _relative(v) for k, v in vars(args).items()},
+    args.output.write_text(json.dumps({"args": recorded_args(args, RESULTS.parents[2]),
                                        "rows": rows, "runs": runs}, indent=1) + "\n")
     plot(runs, seeds[0], setups, args.output.with_suffix(".png"))
     print(f"wrote {args.output} and {args.output.with_suffix('.png').name}")

@@ -42,6 +42,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from omniinfer.bench.records import recorded_args
 from omniinfer.proxy.base import PolicyContext, RouteRequest, create_policy
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.prefix import PrefixIndex
@@ -191,12 +192,6 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 
-def _relative(value: object) -> str:
-    """An argument as the results file records it: paths inside the repository relative to it."""
-    text = str(value)
-    root = str(HERE.parents[1]) + "/"
-    return text[len(root):] if text.startswith(root) else text
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=1, help="decode servers")
@@ -225,7 +220,7 @@ def main() -> None:
         print(f"{r['policy']:<14}{r['imbalance']:>10.3f}{r['busiest_over_mean']:>14.3f}"
               f"{r['step_ms_mean']:>9.2f}{r['step_ms_p99']:>10.2f}{r['tokens_per_s']:>10.0f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: _relative(v) for k, v in vars(args).items()},
+    args.out.write_text(json.dumps({"args": recorded_args(args, HERE.parents[1]),
                                     "rows": rows, "runs": runs}, indent=1) + "\n")
     plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png').name}")
