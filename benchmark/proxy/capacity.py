@@ -5,7 +5,8 @@ A router's SLO capacity is the highest offered request rate at which a share of 
 sweeping the open-loop rate and interpolating linearly between the two points that bracket the
 share. Workloads: ``paper`` (the paper's mix, Poisson arrivals at each rate), ``azure`` (the
 Azure LLM inference conversation trace, 2023) and ``mooncake`` (Mooncake's conversation trace,
-inputs × 0.25, its hash blocks shared prefixes): both traces keep their own arrival times,
+inputs × 0.25, its hash blocks shared prefixes, sent as text with one word per token id so
+that text-matching prefix trees see the sharing): both traces keep their own arrival times,
 replayed faster. Outputs are × 0.05 everywhere (two CPU cores cannot stream 1K-token outputs at
 these rates). Clusters: ``4P1D``, ``8P2D`` and ``4P1D-slow`` (one prefill worker 1.5× slower in
 every prefill cost term). Emulated ``h100-llama3-8b`` workers at ``--time-scale``.
@@ -43,7 +44,14 @@ from capacity_math import capacity_at, markdown, summarize_capacity  # noqa: E40
 from cluster import EmulatedCluster, add_peer_args, peer_targets  # noqa: E402
 from oas_eval import Target, run_target  # noqa: E402
 
-from omniinfer.bench.workloads import BenchRequest, WorkloadSpec, azure, mooncake, paper  # noqa: E402
+from omniinfer.bench.workloads import (  # noqa: E402
+    BenchRequest,
+    WorkloadSpec,
+    as_word_text,
+    azure,
+    mooncake,
+    paper,
+)
 from omniinfer.emulator.profile import dump_profile, load_profile  # noqa: E402
 
 VOCAB = 128000
@@ -79,10 +87,10 @@ def base_requests(workload: str, n: int, seed: int, offset: int, output_scale: f
     if workload == "azure":
         rows = azure(WorkloadSpec(num_requests=offset + n, seed=seed, vocab_size=VOCAB,
                                   output_scale=output_scale, max_total_len=8000))
-    elif workload == "mooncake":
-        rows = mooncake(WorkloadSpec(num_requests=offset + n, seed=seed, vocab_size=VOCAB,
-                                     input_scale=0.25, output_scale=output_scale,
-                                     max_total_len=8000))
+    elif workload == "mooncake":  # sent as text: smg's cache_aware matches text, not ids
+        rows = as_word_text(mooncake(WorkloadSpec(
+            num_requests=offset + n, seed=seed, vocab_size=VOCAB, input_scale=0.25,
+            output_scale=output_scale, max_total_len=8000)))
     else:
         raise ValueError(f"unknown workload {workload!r}")
     rows = rows[offset:offset + n]

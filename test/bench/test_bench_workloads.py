@@ -11,8 +11,10 @@ from omniinfer.bench.workloads import (
     MOONCAKE_BLOCK_TOKENS,
     TraceError,
     WorkloadSpec,
+    as_word_text,
     azure,
     describe,
+    id_word,
     mooncake,
     paper,
     random_ids,
@@ -121,3 +123,25 @@ def test_bad_azure_files_name_the_line(tmp_path: Path, text: str, fragment: str)
 def test_missing_trace_file_is_one_error(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="cannot open"):
         mooncake(WorkloadSpec(trace=tmp_path / "absent.jsonl", vocab_size=100))
+
+
+def test_word_text_keeps_prefixes_and_token_counts() -> None:
+    from omniinfer.emulator.tokenizer import EmulatedTokenizer
+
+    words = {id_word(t) for t in range(26**2 + 26 + 5)}
+    assert len(words) == 26**2 + 26 + 5  # no two ids share a word
+    assert id_word(0) == " a" and id_word(25) == " z" and id_word(26) == " aa"
+    assert len(id_word(26**5 - 1)) <= 6
+    with pytest.raises(ValueError):
+        id_word(26**5)
+    rows = mooncake(WorkloadSpec(num_requests=40, vocab_size=49152, input_scale=0.05))
+    texts = as_word_text(rows)
+    tokenizer = EmulatedTokenizer(49152)
+    for row, text in zip(rows, texts, strict=True):
+        assert text.input_ids is None and text.prompt is not None
+        assert len(tokenizer.encode(text.prompt)) == row.prompt_tokens
+    shared = [(a, b) for a in range(40) for b in range(a) if rows[a].input_ids[:20] == rows[b].input_ids[:20]]
+    assert shared, "the trace's first rows share hashed blocks"
+    for a, b in shared:
+        head = "".join(id_word(t) for t in rows[a].input_ids[:20])
+        assert texts[a].prompt.startswith(head) and texts[b].prompt.startswith(head)

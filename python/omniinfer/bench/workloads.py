@@ -301,6 +301,35 @@ def poisson_arrivals(requests: list[BenchRequest], rate: float, seed: int) -> li
     return [dataclasses.replace(r, arrival_s=times.get(r.index, 0.0)) for r in requests]
 
 
+def id_word(token: int) -> str:
+    """`` `` plus a word of at most five letters that names ``token`` (base 26, ``a`` = 0).
+
+    Distinct ids give distinct words, and each word is one piece of the emulated tokenizer
+    (``omniinfer.emulator.tokenizer``: a letter run of at most five letters with its leading
+    space), so the text of ``n`` ids is ``n`` emulated tokens. Ids below 26**5 only.
+    """
+    if not 0 <= token < 26**5:
+        raise ValueError(f"token id {token} has no five-letter word")
+    letters = ""
+    while True:
+        token, digit = divmod(token, 26)
+        letters = chr(97 + digit) + letters
+        if token == 0:
+            return " " + letters
+        token -= 1  # bijective numbering: "a".."z", then "aa".., so no two ids share a word
+
+
+def as_word_text(requests: Sequence[BenchRequest]) -> list[BenchRequest]:
+    """The requests with their token ids sent as text, one word per id (:func:`id_word`).
+
+    For routers whose prefix trees match text (smg's ``cache_aware``): requests that share an
+    id prefix share a text prefix, and an emulated worker reads back the same number of tokens.
+    Requests already holding text are kept as they are.
+    """
+    return [r if r.input_ids is None else dataclasses.replace(
+        r, input_ids=None, prompt="".join(id_word(t) for t in r.input_ids)) for r in requests]
+
+
 Builder = Callable[[WorkloadSpec], list[BenchRequest]]
 WORKLOADS: dict[str, Builder] = {
     "random": random_ids,
