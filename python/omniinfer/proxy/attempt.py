@@ -288,9 +288,11 @@ async def _attempt(router: Router, strategy: Strategy, attempt: Attempt,
         if req.delivered:  # gone after its last event: answered, nothing left to abort
             ok = True
             raise
-        req.error = "client disconnected"
+        cut = router.drain.is_cut()
+        cause = "shutdown" if cut else "client_disconnected"
+        req.error = "cut by the router's shutdown" if cut else "client disconnected"
         for b in attempt.bookings:
-            router.abort(b.worker, rids, "client_disconnected")
+            router.abort(b.worker, rids, cause)
         raise
     finally:
         for b in attempt.bookings:

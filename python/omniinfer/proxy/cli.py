@@ -161,7 +161,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--log-dir", help="also write the log to LOG_DIR/omniproxy.log")
     o.add_argument("--shutdown-grace-period-secs", type=float,
                    help="on SIGTERM stop accepting and give in-flight requests this long to "
-                   "finish (default 180)")
+                   "finish, then end each with one error (a stream: an error event and [DONE]; "
+                   "default 180; a second signal ends them at once)")
     add_peer_flags(p)
 
 

@@ -31,6 +31,7 @@ from omniinfer.proxy.circuit import CircuitBreaker
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.control import IDENTITY, control_cap, read_capped, supervise
 from omniinfer.proxy.dp import learn_dp_size
+from omniinfer.proxy.drain import Drain
 from omniinfer.proxy.http1 import Http1Pool
 from omniinfer.proxy.kv_subscriber import CacheTruth, KvLimits, parse_endpoint_overrides
 from omniinfer.proxy.listener import Listener
@@ -104,6 +105,7 @@ class Router:
         self._loops: list[asyncio.Task[Any]] = []
         self._loop_ref: asyncio.AbstractEventLoop | None = None
         self.listener: Listener | None = None  # the guarded listening socket (serve_on)
+        self.drain = Drain()  # in-flight inference handlers; graceful shutdown
 
     # ---- set-up -----------------------------------------------------------------------------
     def serve_on(self, listener: Listener) -> None:

@@ -1,9 +1,11 @@
 """One inference request through the router: read, tokenize, match, admit, route, forward.
 
 Every request gets exactly one answer: the worker's, or one JSON error (400 bad input, 408 a
-body too slow, 413 too large, 503 + Retry-After when saturated or no worker is available, 502
-when the workers failed). Failures before any byte reached the client are retried on another
-worker after the failed one was told to abort; after that the stream ends with one error event.
+body too slow, 413 too large, 503 + Retry-After when saturated, when no worker is available or
+when the router is shutting down, 502 when the workers failed; ``drain.py`` says what a
+shutdown does to the requests in flight). Failures before any byte reached the client are
+retried on another worker after the failed one was told to abort; after that the stream ends
+with one error event.
 The router names each request on the workers with rids of its own (fixed length, so none is a
 prefix of another: SGLang aborts by prefix); the client's rid stays in the access log and in the
 ``X-Client-Rid`` header. The request is one ``Request`` (``request.py``); its attempts are
@@ -44,6 +46,15 @@ class BodyTimeout(Exception):
 async def handle(router: Router, request: web.Request, endpoint: str) -> web.StreamResponse:
     req = Request(router.new_request_id(), endpoint)
     status = 500
+    if router.drain.draining:
+        status = 503
+        router.metrics.rejected.labels("shutting_down").inc()
+        router.metrics.observe(endpoint, status, req.life)
+        refused = error_response(503, "the router is shutting down", "unavailable",
+                                 retry_after=1)
+        refused.force_close()
+        return refused
+    task = router.drain.enter()
     try:
         try:
             await _prepare(router, request, req)
@@ -60,7 +71,12 @@ async def handle(router: Router, request: web.Request, endpoint: str) -> web.Str
         response = await route(router, strategy)
         status = response.status
         return response
-    except (asyncio.CancelledError, ConnectionError):
+    except (asyncio.CancelledError, ConnectionError) as exc:
+        if isinstance(exc, asyncio.CancelledError) and router.drain.take_cut():
+            status = 503  # cut by the shutdown before any byte was sent: one error answer
+            req.error = req.error or "cut by the router's shutdown"
+            return error_response(503, "the router shut down before the answer began",
+                                  "unavailable", retry_after=1)
         # the client went away; nobody is left to answer (unless it had its whole answer)
         status = 200 if req.delivered else 499
         raise
@@ -69,6 +85,7 @@ async def handle(router: Router, request: web.Request, endpoint: str) -> web.Str
         router.metrics.rejected.labels(exc.reason).inc()
         return error_response(503, str(exc), "overloaded", retry_after=exc.retry_after)
     finally:
+        router.drain.leave(task)
         req.finish(status)
         router.metrics.observe(endpoint, status, req.life)
         if router.access_log is not None:

@@ -207,6 +207,11 @@ class Listener:
         self.server = await loop.create_server(self.protocol, host, port, backlog=backlog,
                                                reuse_address=True)
 
+    def stop_accepting(self) -> None:
+        """Close the listening socket; open connections stay (``close`` waits for them)."""
+        if self.server is not None:
+            self.server.close()
+
     async def close(self) -> None:
         if self.server is not None:
             self.server.close()

@@ -44,6 +44,8 @@ ROUTER_KEY = web.AppKey("router", Router)
 MAX_ADMIN_BODY = 64 * 1024
 KEEPALIVE_S = 75.0
 INFO_TIMEOUT_S = 10.0
+# after the drain (the grace period is its) only short calls can remain on a connection
+SHUTDOWN_TIMEOUT_S = 5.0
 HEALTH_GENERATE_TTL_S = 1.0  # how long one /health_generate probe answers every caller
 WORKER_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
@@ -235,6 +237,8 @@ async def server_info(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     router = _router(request)
+    if router.drain.draining:  # a load balancer should look elsewhere while in flight ones end
+        return _json({"status": "shutting down"}, status=503)
     if router.ready():
         return _json({"status": "ok"})
     return _json({"status": "no healthy worker for every role"}, status=503)
@@ -369,9 +373,17 @@ class Serving:
                  extra: web.AppRunner | None) -> None:
         self.router, self.runner, self.listener, self.extra = router, runner, listener, extra
 
+    async def drain(self, grace_s: float, hurry: asyncio.Event | None = None) -> int:
+        """Graceful shutdown's first half (``drain.py``): stop accepting connections, let the
+        requests in flight end within ``grace_s`` (``hurry`` set: at once), cut the rest with
+        one terminal answer each. Returns how many were cut; ``close`` follows."""
+        self.listener.stop_accepting()
+        return await self.router.drain.run(grace_s, hurry)
+
     async def close(self) -> None:
-        await self.listener.close()
-        await self.runner.cleanup()
+        self.listener.stop_accepting()
+        await self.runner.cleanup()  # closes the open connections
+        await self.listener.close()  # on Python >= 3.12 this waits for them
         if self.extra is not None:
             await self.extra.cleanup()
         await self.router.close()
@@ -388,7 +400,7 @@ async def open_router(config: RouterConfig) -> Serving:
     # a client reusing the connection as it closes (its POST body cannot be written)
     runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None,
                            keepalive_timeout=max(KEEPALIVE_S, config.client_header_timeout_secs),
-                           shutdown_timeout=config.shutdown_grace_period_secs)
+                           shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     assert runner.server is not None
     listener = Listener(runner.server, config.max_connections, config.client_header_timeout_secs,
@@ -427,17 +439,25 @@ async def open_router(config: RouterConfig) -> Serving:
 async def _serve(config: RouterConfig) -> None:
     serving = await open_router(config)
     router = serving.router
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def signalled() -> None:  # the first signal drains, a second one cuts at once
+        (hurry if stop.is_set() else stop).set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signalled)
     workers = ", ".join(f"{w.role.value} {w.url}{' (down)' if not w.healthy else ''}"
                         for w in router.pool.all())
     log.info("OmniProxy listening on http://%s:%d (%s mode; policies %s; workers: %s)",
              config.host, config.port, "PD" if router.pd else "regular",
              {r.value: p.name for r, p in router.policies.items()}, workers)
     await stop.wait()
-    log.info("shutting down")
+    grace = config.shutdown_grace_period_secs
+    log.info("shutting down: no new connections; %d request(s) in flight get %.0f s to end",
+             router.drain.in_flight, grace)
+    cut = await serving.drain(grace, hurry)
+    log.info("shut down (%d request(s) cut)", cut)
     await serving.close()
 
 

@@ -158,10 +158,17 @@ def completion_tokens(obj: Any) -> int:
 DONE = b"data: [DONE]"
 
 
+def _error_event(message: str, kind: str, code: int) -> bytes:
+    """A stream's last two events: one error, then ``[DONE]``."""
+    body = {"error": {"message": message, "type": kind, "code": code}}
+    return b"data: " + orjson.dumps(body) + b"\n\ndata: [DONE]\n\n"
+
+
 async def pipe(router: Router, request: web.Request, req: Request, resp: Response,
                first: bytes, worker: Worker,
                on_upstream_error: Callable[[], Any] | None = None) -> web.StreamResponse:
-    """Send the upstream stream to the client; a mid-stream failure ends it with one error.
+    """Send the upstream stream to the client; a mid-stream failure, or the router's shutdown
+    cutting it (``drain.py``), ends it with one error event and ``[DONE]``.
 
     Streaming clients stop reading at ``data: [DONE]`` and close, often before the worker's
     stream or the chunked terminator has ended: once that event was written the answer is
@@ -170,11 +177,11 @@ async def pipe(router: Router, request: web.Request, req: Request, resp: Respons
         "Content-Type": resp.headers.get("content-type", "text/event-stream"),
         "Cache-Control": "no-cache", **req.headers})
     idle = router.config.upstream_idle_timeout_secs
+    tail = first
     try:
         await out.prepare(request)
         req.life.token()
         req.output_events = first.count(b"data:")
-        tail = first
         await out.write(first)
         req.delivered = DONE in first
         while True:
@@ -187,11 +194,9 @@ async def pipe(router: Router, request: web.Request, req: Request, resp: Respons
                 router.abort(worker, req.rids, kind)
                 if on_upstream_error is not None:
                     on_upstream_error()
-                message = {"error": {"message": f"upstream worker failed mid-stream "
-                                                f"({exc.__class__.__name__}); the output is "
-                                                f"incomplete", "type": "upstream_error",
-                                     "code": 502}}
-                await out.write(b"data: " + orjson.dumps(message) + b"\n\ndata: [DONE]\n\n")
+                await out.write(_error_event(f"upstream worker failed mid-stream ("
+                                             f"{exc.__class__.__name__}); the output is "
+                                             "incomplete", "upstream_error", 502))
                 break
             if not chunk:
                 worker.breaker.record_success()
@@ -205,11 +210,23 @@ async def pipe(router: Router, request: web.Request, req: Request, resp: Respons
         except ConnectionResetError:
             if not req.delivered:
                 raise
-    except (asyncio.CancelledError, ConnectionResetError):
-        if req.delivered:  # the client left after its last event: count what it got
-            req.tail = tail
-            count_output(req, tail)
-        raise
+    except (asyncio.CancelledError, ConnectionResetError) as exc:
+        if isinstance(exc, asyncio.CancelledError) and out.prepared and not req.delivered \
+                and router.drain.take_cut():
+            # the router is shutting down: the stream ends with one error, the workers stop
+            req.error = "cut by the router's shutdown"
+            router.abort(worker, req.rids, "shutdown")
+            if on_upstream_error is not None:
+                on_upstream_error()
+            boundary = b"" if tail.endswith(b"\n\n") else b"\n\n"  # end a torn event first
+            await out.write(boundary + _error_event("the router is shutting down; the output "
+                                                    "is incomplete", "shutdown", 503))
+            await out.write_eof()
+        else:
+            if req.delivered:  # the client left after its last event: count what it got
+                req.tail = tail
+                count_output(req, tail)
+            raise
     finally:
         resp.close()
     req.tail = tail
