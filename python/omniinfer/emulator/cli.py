@@ -68,6 +68,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--time-scale", type=_time_scale, default=1.0,
                    help="wall seconds per model second (0.1 = ten times faster than real time)")
     p.add_argument("--max-total-tokens", type=int, default=None, help="override the profile's KV pool")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate")
+    p.add_argument("--ssl-keyfile", default=None, help="... and this PEM key")
+    p.add_argument("--ssl-ca-certs", default=None, help="require client certificates signed by "
+                   "these CAs (mutual TLS; SGLang only checks them when a client offers one)")
     p.add_argument("--incremental-streaming-output", action="store_true",
                    help="/generate streams only new tokens per event (SGLang's flag of that name)")
     p.add_argument("--kv-events-config", default=None, metavar="JSON",
@@ -173,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from omniinfer.emulator.server import WorkerServer, serve_forever
+    from omniinfer.emulator.tls import tls_context
 
     try:  # the MoE clock plans its first placement here (a PlacementError is a ValueError)
         server = WorkerServer(
@@ -181,7 +186,9 @@ def run(args: argparse.Namespace) -> int:
             incremental_streaming_output=args.incremental_streaming_output,
             kv_events_config=args.kv_events_config,
             load_publish_endpoint=args.load_publish_endpoint,
-            load_snapshot_publish_interval=args.load_snapshot_publish_interval, faults=faults, request_log_size=args.request_log_size,
+            load_snapshot_publish_interval=args.load_snapshot_publish_interval, faults=faults,
+            request_log_size=args.request_log_size,
+            ssl_context=tls_context(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs),
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

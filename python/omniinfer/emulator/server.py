@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -71,8 +72,10 @@ class WorkerServer:
         load_snapshot_publish_interval: int = DECODE_PUBLISH_INTERVAL,
         faults: Faults | None = None,
         request_log_size: int = 256,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.incremental = incremental_streaming_output
+        self.ssl_context = ssl_context  # HTTPS on the main port (``tls_context``)
         self.engine = EmulatedEngine(profile, mode=mode, time_scale=time_scale)
         self.tokenizer = self.engine.tokenizer
         self.model_name = profile.model.served_model_name
@@ -149,7 +152,8 @@ class WorkerServer:
         """Serve (and the bootstrap endpoint in prefill mode) until cancelled."""
         runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
         await runner.setup()
-        await web.TCPSite(runner, self.info.host, self.info.port, backlog=4096).start()
+        await web.TCPSite(runner, self.info.host, self.info.port, backlog=4096,
+                          ssl_context=self.ssl_context).start()
         self._runners.append(runner)
         if self.info.mode == "prefill":
             boot = web.AppRunner(bootstrap_app(self.engine, self.info.profile), access_log=None)

@@ -148,6 +148,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "answer loopback clients only")
     a.add_argument("--control-plane-audit-enabled", action="store_true",
                    help="log each admin call: key id, role, method, path, outcome")
+    a.add_argument("--tls-cert-path", help="serve HTTPS with this PEM certificate (chain)")
+    a.add_argument("--tls-key-path", help="... and this PEM private key")
+    a.add_argument("--ca-cert-paths", nargs="*", metavar="PEM",
+                   help="CA certificates that https:// workers' certificates are checked "
+                   "against (besides the system's)")
+    a.add_argument("--client-cert-path", help="PEM certificate the router presents to "
+                   "https:// workers that ask for one (mutual TLS)")
+    a.add_argument("--client-key-path", help="... and its PEM private key")
     o = p.add_argument_group("observability")
     o.add_argument("--access-log", help="JSONL file, one line per request")
     o.add_argument("--access-log-max-bytes", type=int,

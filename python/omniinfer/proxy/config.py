@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from omniinfer.proxy.tls import server_context, worker_context
+
 
 @dataclasses.dataclass
 class RouterConfig:
@@ -82,6 +84,11 @@ class RouterConfig:
     log_level: str = "info"
     log_dir: str | None = None  # also write the log to LOG_DIR/omniproxy.log
     shutdown_grace_period_secs: float = 180.0  # in-flight requests' time to finish (the peer's)
+    tls_cert_path: str | None = None  # serve HTTPS (``tls.py``)
+    tls_key_path: str | None = None
+    ca_cert_paths: list[str] = dataclasses.field(default_factory=list)  # for https:// workers
+    client_cert_path: str | None = None  # presented to https:// workers (mutual TLS)
+    client_key_path: str | None = None
 
     @property
     def max_attempts(self) -> int:
@@ -106,6 +113,8 @@ class RouterConfig:
             raise ValueError("--cache-threshold must be within [0, 1]")
         if self.prometheus_port is not None and not 0 <= self.prometheus_port <= 65535:
             raise ValueError("--prometheus-port must be within [0, 65535]")
+        server_context(self.tls_cert_path, self.tls_key_path)  # files readable, pairs whole
+        worker_context(self.ca_cert_paths, self.client_cert_path, self.client_key_path)
         if not 0.0 <= self.shutdown_grace_period_secs <= 86400.0:
             raise ValueError("--shutdown-grace-period-secs must be within [0, 86400]")
         if self.apc_block_size <= 0:

@@ -38,6 +38,7 @@ from omniinfer.proxy.listener import Listener
 from omniinfer.proxy.load_feed import LoadFeeds
 from omniinfer.proxy.metrics import AccessLog, ProxyMetrics
 from omniinfer.proxy.prefix import PrefixIndex, block_hashes
+from omniinfer.proxy.tls import worker_context
 from omniinfer.proxy.tokenization import (
     ApproxTokenizer,
     Tokenizer,
@@ -100,7 +101,10 @@ class Router:
         self.tokenizer: Tokenizer = ApproxTokenizer()
         self.session: aiohttp.ClientSession | None = None  # control plane (health, aborts, ...)
         # the hot path: requests to the workers
-        self.http = Http1Pool(self.session_headers, max_answer_bytes=config.max_response_size)
+        self.worker_tls = worker_context(config.ca_cert_paths, config.client_cert_path,
+                                         config.client_key_path)  # for https:// workers
+        self.http = Http1Pool(self.session_headers, max_answer_bytes=config.max_response_size,
+                              tls=self.worker_tls)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[Any]] = []
         self._loop_ref: asyncio.AbstractEventLoop | None = None
@@ -123,7 +127,8 @@ class Router:
 
     async def start(self) -> None:
         self._loop_ref = asyncio.get_running_loop()
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60,
+                                         ssl=self.worker_tls)
         # no cookie jar: a Set-Cookie from one worker answer must not ride on every later
         # request (other users'), and an empty jar is still looked up on each request
         # the key rides on each call to an accepted worker, never on a candidate's probe

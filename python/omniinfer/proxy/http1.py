@@ -299,7 +299,8 @@ class Http1Pool:
     """Keep-alive connections per worker and the POST that uses them."""
 
     def __init__(self, headers: dict[str, str] | None = None, keepalive_secs: float = 4.0,
-                 max_idle_per_origin: int = 256, max_answer_bytes: int = NO_LIMIT) -> None:
+                 max_idle_per_origin: int = 256, max_answer_bytes: int = NO_LIMIT,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self.max_answer_bytes = max_answer_bytes
         self.keepalive_secs = keepalive_secs
@@ -307,7 +308,7 @@ class Http1Pool:
         self._origins: dict[str, Origin] = {}
         self._idle: dict[str, deque[_Connection]] = {}
         self._open: set[_Connection] = set()
-        self._tls: ssl.SSLContext | None = None
+        self._tls = tls  # for https:// origins (None: the system's defaults, made when needed)
         self.connections_opened = 0
 
     def origin(self, url: str) -> Origin:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,7 @@ from aiohttp import web, web_protocol
 from omniinfer.proxy.framing import BodyScanner, HeadInfo
 
 log = logging.getLogger("omniinfer.proxy")
+TLS_HANDSHAKE_TIMEOUT_S = 10.0  # a client that opens a connection and never finishes a handshake
 MAX_TRACKED_HEAD = 64 * 1024  # beyond this aiohttp refuses the head itself (its line limits)
 
 
@@ -202,10 +204,14 @@ class Listener:
     def protocol(self) -> Guarded:
         return Guarded(self.factory(), self)
 
-    async def start(self, host: str, port: int, backlog: int = 4096) -> None:
+    async def start(self, host: str, port: int, backlog: int = 4096,
+                    tls: ssl.SSLContext | None = None) -> None:
+        """Listen; with ``tls`` the guards see the decrypted bytes (handshakes get
+        ``TLS_HANDSHAKE_TIMEOUT_S``)."""
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(self.protocol, host, port, backlog=backlog,
-                                               reuse_address=True)
+        self.server = await loop.create_server(
+            self.protocol, host, port, backlog=backlog, reuse_address=True, ssl=tls,
+            ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S if tls is not None else None)
 
     def stop_accepting(self) -> None:
         """Close the listening socket; open connections stay (``close`` waits for them)."""

@@ -37,7 +37,6 @@ class PeerFlag:
 _HISTORY = "conversation history storage (the responses API's) is not supported"
 _DISCOVERY = ("Kubernetes service discovery is not supported yet: list the workers with "
               "--worker-urls, or --prefill and --decode")
-_TLS = "TLS is not supported yet: terminate TLS in front of the router and use plain HTTP to workers"
 _JWT = "JWT authentication is not supported: use --api-key or --control-plane-api-keys"
 _TOKENIZER_CACHE = ("OmniProxy keeps no tokenizer cache (it tokenizes only for cache-aware "
                     "routing, off the event loop)")
@@ -96,11 +95,6 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
     PeerFlag("decode-selector", REFUSED, _DISCOVERY, nargs="+"),
     PeerFlag("service-discovery-port", REFUSED, _DISCOVERY),
     PeerFlag("service-discovery-namespace", REFUSED, _DISCOVERY),
-    PeerFlag("tls-cert-path", REFUSED, _TLS),
-    PeerFlag("tls-key-path", REFUSED, _TLS),
-    PeerFlag("client-cert-path", REFUSED, "mTLS to workers is not supported yet"),
-    PeerFlag("client-key-path", REFUSED, "mTLS to workers is not supported yet"),
-    PeerFlag("ca-cert-paths", REFUSED, "TLS to workers is not supported yet", nargs="*"),
     PeerFlag("request-id-headers", REFUSED, "request ids from client headers are not "
              "supported yet", nargs="*"),
     PeerFlag("cors-allowed-origins", REFUSED, "CORS is not supported yet", nargs="*"),

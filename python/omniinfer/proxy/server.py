@@ -33,6 +33,7 @@ from omniinfer.proxy.core import Router
 from omniinfer.proxy.forward import handle
 from omniinfer.proxy.listener import Listener
 from omniinfer.proxy.redact import redact
+from omniinfer.proxy.tls import server_context
 from omniinfer.proxy.workers import Role, Worker, normalize_url
 
 log = logging.getLogger("omniinfer.proxy")
@@ -406,7 +407,8 @@ async def open_router(config: RouterConfig) -> Serving:
     listener = Listener(runner.server, config.max_connections, config.client_header_timeout_secs,
                         config.client_write_timeout_secs)
     router.serve_on(listener)
-    await listener.start(config.host, config.port)
+    await listener.start(config.host, config.port,
+                         tls=server_context(config.tls_cert_path, config.tls_key_path))
     extra = None
     port = DEFAULT_METRICS_PORT if config.prometheus_port is None else config.prometheus_port
     if config.prometheus_port is None and (config.api_key or config.control_plane_api_keys):
@@ -449,8 +451,8 @@ async def _serve(config: RouterConfig) -> None:
         loop.add_signal_handler(sig, signalled)
     workers = ", ".join(f"{w.role.value} {w.url}{' (down)' if not w.healthy else ''}"
                         for w in router.pool.all())
-    log.info("OmniProxy listening on http://%s:%d (%s mode; policies %s; workers: %s)",
-             config.host, config.port, "PD" if router.pd else "regular",
+    log.info("OmniProxy listening on %s://%s:%d (%s mode; policies %s; workers: %s)",
+             "https" if config.tls_cert_path else "http", config.host, config.port, "PD" if router.pd else "regular",
              {r.value: p.name for r, p in router.policies.items()}, workers)
     await stop.wait()
     grace = config.shutdown_grace_period_secs
