@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import math
+import time
+from collections.abc import Callable
 
 
 @dataclasses.dataclass
@@ -17,6 +20,7 @@ class Rejected(Exception):
 
     reason: str
     retry_after: int = 1
+    status: int = 503  # 429 for a rate limit
 
     def __str__(self) -> str:
         return f"router saturated ({self.reason}); retry after {self.retry_after} s"
@@ -67,3 +71,49 @@ class Admission:
 
     def _retry_after(self) -> int:
         return max(1, min(60, int(self.queue_timeout_s // 4) or 1))
+
+
+class RateLimit:
+    """``--rate-limit-tokens-per-second``: a token bucket in front of admission.
+
+    Each inference request takes one token; the bucket holds ``capacity`` (sglang-router's:
+    ``--max-concurrent-requests``, or one second's worth without a limit) and refills at
+    ``rate`` per second. Without a token a request waits for its own (reserved, so waiters are
+    served in order) as long as at most ``max_waiting`` others wait and its wait is at most
+    ``max_wait_s``; otherwise it is ``Rejected("rate_limited")``. A waiter that gives up hands
+    its token back.
+    """
+
+    def __init__(self, rate: float, capacity: float, max_waiting: int, max_wait_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not rate > 0 or not capacity >= 1:
+            raise ValueError("a rate limit needs a positive rate and a capacity of >= 1")
+        self.rate, self.capacity = rate, capacity
+        self.max_waiting, self.max_wait_s = max(0, max_waiting), max_wait_s
+        self.clock = clock
+        self.tokens = capacity
+        self.waiting = 0
+        self._at = clock()
+
+    def _refill(self) -> None:
+        now = self.clock()
+        self.tokens = min(self.capacity, self.tokens + (now - self._at) * self.rate)
+        self._at = now
+
+    async def take(self) -> None:
+        self._refill()
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return
+        wait = (1 - self.tokens) / self.rate
+        if self.waiting >= self.max_waiting or wait > self.max_wait_s:
+            raise Rejected("rate_limited", max(1, min(60, math.ceil(wait))), status=429)
+        self.tokens -= 1  # reserved: later arrivals wait behind this one
+        self.waiting += 1
+        try:
+            await asyncio.sleep(wait)
+        except asyncio.CancelledError:
+            self.tokens += 1
+            raise
+        finally:
+            self.waiting -= 1

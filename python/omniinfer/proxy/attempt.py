@@ -209,8 +209,11 @@ async def decide_in_turn(router: Router, choices: Sequence[Choice]) -> list[Deci
 
 
 async def route(router: Router, strategy: Strategy) -> web.StreamResponse:
-    """The request admitted (a slot, or 503 ``Rejected``), then its attempts."""
+    """The request admitted (a token of the rate limit and a slot, or ``Rejected``), then its
+    attempts."""
     strategy.request.life.enter(Phase.PREFILL_WAITING)
+    if router.rate_limit is not None:
+        await router.rate_limit.take()
     await router.admission.acquire()
     try:
         return await _attempts(router, strategy)

@@ -156,6 +156,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--client-cert-path", help="PEM certificate the router presents to "
                    "https:// workers that ask for one (mutual TLS)")
     a.add_argument("--client-key-path", help="... and its PEM private key")
+    a.add_argument("--cors-allowed-origins", nargs="*", metavar="ORIGIN",
+                   help="answer browsers from these origins (scheme://host[:port], or *) with "
+                   "CORS headers; none given: no CORS headers (sglang-router then allows all)")
+    q.add_argument("--request-id-headers", nargs="*", metavar="HEADER",
+                   help="read a request's id from the first of these headers present (default "
+                   "x-request-id x-correlation-id x-trace-id request-id), else make one; it "
+                   "comes back as X-Request-Id and goes to the access log")
+    q.add_argument("--rate-limit-tokens-per-second", type=float,
+                   help="each inference request takes a token from a bucket of "
+                   "--max-concurrent-requests tokens (or one second's worth) refilled at this "
+                   "rate; without one it waits in the queue's bounds or gets 429")
     o = p.add_argument_group("observability")
     o.add_argument("--access-log", help="JSONL file, one line per request")
     o.add_argument("--access-log-max-bytes", type=int,

@@ -7,7 +7,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from omniinfer.proxy.cors import check_origins
 from omniinfer.proxy.tls import server_context, worker_context
+
+# where a client's request id is read from, first present wins (sglang-router's defaults)
+DEFAULT_REQUEST_ID_HEADERS = ("x-request-id", "x-correlation-id", "x-trace-id", "request-id")
+_TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def check_header_names(names: list[str] | None) -> None:
+    """ValueError unless each is an HTTP header name (RFC 9110 token), at most 16 of 64 chars."""
+    if names is None:
+        return
+    if len(names) > 16:
+        raise ValueError("--request-id-headers: at most 16 names")
+    for name in names:
+        if not name or len(name) > 64 or not set(name) <= _TOKEN:
+            raise ValueError(f"--request-id-headers: {name[:80]!r} is not a header name")
 
 
 @dataclasses.dataclass
@@ -89,6 +105,9 @@ class RouterConfig:
     ca_cert_paths: list[str] = dataclasses.field(default_factory=list)  # for https:// workers
     client_cert_path: str | None = None  # presented to https:// workers (mutual TLS)
     client_key_path: str | None = None
+    request_id_headers: list[str] | None = None  # None: DEFAULT_REQUEST_ID_HEADERS
+    cors_allowed_origins: list[str] = dataclasses.field(default_factory=list)  # ``cors.py``
+    rate_limit_tokens_per_second: float | None = None  # ``admission.RateLimit``
 
     @property
     def max_attempts(self) -> int:
@@ -113,6 +132,11 @@ class RouterConfig:
             raise ValueError("--cache-threshold must be within [0, 1]")
         if self.prometheus_port is not None and not 0 <= self.prometheus_port <= 65535:
             raise ValueError("--prometheus-port must be within [0, 65535]")
+        check_origins(self.cors_allowed_origins)
+        check_header_names(self.request_id_headers)
+        if self.rate_limit_tokens_per_second is not None \
+                and not 0 < self.rate_limit_tokens_per_second <= 1e9:
+            raise ValueError("--rate-limit-tokens-per-second must be within (0, 1e9]")
         server_context(self.tls_cert_path, self.tls_key_path)  # files readable, pairs whole
         worker_context(self.ca_cert_paths, self.client_cert_path, self.client_key_path)
         if not 0.0 <= self.shutdown_grace_period_secs <= 86400.0:

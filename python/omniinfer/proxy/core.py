@@ -25,10 +25,10 @@ from typing import Any
 import aiohttp
 import orjson
 
-from omniinfer.proxy.admission import Admission
+from omniinfer.proxy.admission import Admission, RateLimit
 from omniinfer.proxy.base import Policy, PolicyContext, create_policy
 from omniinfer.proxy.circuit import CircuitBreaker
-from omniinfer.proxy.config import RouterConfig
+from omniinfer.proxy.config import DEFAULT_REQUEST_ID_HEADERS, RouterConfig
 from omniinfer.proxy.control import IDENTITY, control_cap, read_capped, supervise
 from omniinfer.proxy.dp import learn_dp_size
 from omniinfer.proxy.drain import Drain
@@ -84,6 +84,12 @@ class Router:
         }
         self.admission = Admission(config.max_concurrent_requests, config.queue_size,
                                    config.queue_timeout_secs)
+        self.request_id_headers = tuple(DEFAULT_REQUEST_ID_HEADERS if config.request_id_headers
+                                        is None else config.request_id_headers)
+        rate = config.rate_limit_tokens_per_second
+        self.rate_limit = None if rate is None else RateLimit(
+            rate, config.max_concurrent_requests if config.max_concurrent_requests > 0
+            else max(1.0, rate), config.queue_size, config.queue_timeout_secs)
         self.access_log = AccessLog(config.access_log, config.access_log_max_bytes,
                                     config.access_log_backups) if config.access_log else None
         self.session_headers = ({"Authorization": f"Bearer {config.api_key}"}

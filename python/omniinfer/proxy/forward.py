@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
@@ -43,15 +44,32 @@ class BodyTimeout(Exception):
     """The client did not send its body within ``--client-body-timeout-secs``."""
 
 
+def _request_id(request: web.Request, names: Sequence[str]) -> str | None:
+    """The client's request id: the first of ``names`` present, if a short printable value."""
+    for name in names:
+        value = request.headers.get(name)
+        if value is not None:
+            return _header_value(value)
+    return None
+
+
+def _error(req: Request, status: int, message: str, kind: str = "invalid_request_error",
+           retry_after: int | None = None) -> web.Response:
+    answer = error_response(status, message, kind, retry_after)
+    answer.headers["X-Request-Id"] = req.request_id
+    return answer
+
+
 async def handle(router: Router, request: web.Request, endpoint: str) -> web.StreamResponse:
     req = Request(router.new_request_id(), endpoint)
+    req.request_id = _request_id(request, router.request_id_headers) or req.id
+    req.headers["X-Request-Id"] = req.request_id
     status = 500
     if router.drain.draining:
         status = 503
         router.metrics.rejected.labels("shutting_down").inc()
         router.metrics.observe(endpoint, status, req.life)
-        refused = error_response(503, "the router is shutting down", "unavailable",
-                                 retry_after=1)
+        refused = _error(req, 503, "the router is shutting down", "unavailable", retry_after=1)
         refused.force_close()
         return refused
     task = router.drain.enter()
@@ -60,13 +78,13 @@ async def handle(router: Router, request: web.Request, endpoint: str) -> web.Str
             await _prepare(router, request, req)
         except BadRequest as exc:
             status = 400
-            return error_response(400, str(exc))
+            return _error(req, 400, str(exc))
         except BodyTimeout:
             status = 408
-            return error_response(408, "request body not received in time")
+            return _error(req, 408, "request body not received in time")
         except web.HTTPRequestEntityTooLarge:
             status = 413
-            return error_response(413, f"body larger than {router.config.max_payload_size} bytes")
+            return _error(req, 413, f"body larger than {router.config.max_payload_size} bytes")
         strategy = (PD if router.pd else Regular)(router, request, req)
         response = await route(router, strategy)
         status = response.status
@@ -75,15 +93,15 @@ async def handle(router: Router, request: web.Request, endpoint: str) -> web.Str
         if isinstance(exc, asyncio.CancelledError) and router.drain.take_cut():
             status = 503  # cut by the shutdown before any byte was sent: one error answer
             req.error = req.error or "cut by the router's shutdown"
-            return error_response(503, "the router shut down before the answer began",
-                                  "unavailable", retry_after=1)
+            return _error(req, 503, "the router shut down before the answer began",
+                          "unavailable", retry_after=1)
         # the client went away; nobody is left to answer (unless it had its whole answer)
         status = 200 if req.delivered else 499
         raise
     except Rejected as exc:
-        status = 503
+        status = exc.status
         router.metrics.rejected.labels(exc.reason).inc()
-        return error_response(503, str(exc), "overloaded", retry_after=exc.retry_after)
+        return _error(req, exc.status, str(exc), "overloaded", retry_after=exc.retry_after)
     finally:
         router.drain.leave(task)
         req.finish(status)
@@ -121,8 +139,8 @@ def _samples(endpoint: str, body: dict[str, Any]) -> Any:
     return 1
 
 
-def _client_rid_header(rid: Any) -> str | None:
-    """The client's rid as a header value, if it is a short printable string."""
+def _header_value(rid: Any) -> str | None:
+    """``rid`` as a header value, if it is a short printable ASCII string."""
     if isinstance(rid, str) and 0 < len(rid) <= 256 and rid.isprintable() and rid.isascii():
         return rid
     return None
@@ -157,6 +175,6 @@ async def _prepare(router: Router, request: web.Request, req: Request) -> None:
     route.matched_blocks = router.indexes[Role.PREFILL if router.pd else Role.REGULAR].match(
         hashes)
     req.prepare(body, len(prompts), route)
-    echoed = _client_rid_header(req.client_rid)
+    echoed = _header_value(req.client_rid)
     if echoed is not None:
         req.headers["X-Client-Rid"] = echoed

@@ -95,11 +95,6 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
     PeerFlag("decode-selector", REFUSED, _DISCOVERY, nargs="+"),
     PeerFlag("service-discovery-port", REFUSED, _DISCOVERY),
     PeerFlag("service-discovery-namespace", REFUSED, _DISCOVERY),
-    PeerFlag("request-id-headers", REFUSED, "request ids from client headers are not "
-             "supported yet", nargs="*"),
-    PeerFlag("cors-allowed-origins", REFUSED, "CORS is not supported yet", nargs="*"),
-    PeerFlag("rate-limit-tokens-per-second", REFUSED, "token-bucket rate limits are not "
-             "supported yet (--max-concurrent-requests and --queue-size bound the load)"),
     PeerFlag("enable-trace", REFUSED, "OpenTelemetry traces are not supported yet",
              nargs="switch"),
     PeerFlag("otlp-traces-endpoint", REFUSED, "OpenTelemetry traces are not supported yet"),

@@ -151,13 +151,14 @@ class Request:
     __slots__ = ("id", "endpoint", "life", "prepared", "body", "stream", "batch", "route",
                  "headers", "rids", "output_events", "tail", "client_rid", "status", "decisions",
                  "bootstrap_room", "worker_rids", "failures", "error", "output_tokens",
-                 "reported_cached_tokens", "cache_prediction", "delivered")
+                 "reported_cached_tokens", "cache_prediction", "delivered", "request_id")
 
     body: dict[str, Any]  # as the client sent it (never the router's rids)
     route: RouteRequest  # what the policies see
 
     def __init__(self, request_id: str, endpoint: str) -> None:
         self.id = request_id
+        self.request_id = request_id  # the client's (--request-id-headers), else the router's
         self.endpoint = endpoint
         self.life = Lifecycle(request_id)
         self.prepared = False
@@ -241,6 +242,8 @@ class Request:
     def access_record(self) -> dict[str, Any]:
         """The access-log line: what is known of the request, its phases and latencies."""
         record: dict[str, Any] = {"id": self.id, "endpoint": self.endpoint}
+        if self.request_id != self.id:
+            record["request_id"] = self.request_id
         if self.prepared:
             record["stream"] = self.stream
             record["prompt_tokens"] = self.route.prompt_tokens

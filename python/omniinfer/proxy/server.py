@@ -30,6 +30,7 @@ from omniinfer.proxy.auth import Guard, error_response, full_view, json_errors
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.control import AnswerTooLarge, read_capped
 from omniinfer.proxy.core import Router
+from omniinfer.proxy.cors import Cors
 from omniinfer.proxy.forward import handle
 from omniinfer.proxy.listener import Listener
 from omniinfer.proxy.redact import redact
@@ -352,6 +353,8 @@ def build_app(router: Router) -> web.Application:
                           middlewares=[json_errors, guard.middleware])
     app[ROUTER_KEY] = router
     app[HEALTH_KEY] = Shared(HEALTH_GENERATE_TTL_S)
+    if c.cors_allowed_origins:
+        Cors(c.cors_allowed_origins).install(app)
     posts = {"/generate": _inference("generate"), "/v1/completions": _inference("completions"),
              "/v1/chat/completions": _inference("chat"), "/flush_cache": flush_cache,
              "/add_worker": add_worker, "/remove_worker": remove_worker}
