@@ -3,7 +3,9 @@
 Flags as ``sglang_router.launch_router`` reads them: ``--api-key`` is sent to workers as
 ``Authorization: Bearer KEY`` and, as SGLang's own server does, required of clients on every
 route but health and metrics. ``--control-plane-api-keys 'id:name:role:key'`` (role ``admin`` or
-``user``) adds named keys: ``admin`` may call the admin routes, both may call the data plane.
+``user``) adds named keys: ``admin`` may call the admin routes (``/add_worker``,
+``/remove_worker``, ``/flush_cache``, ``/list_workers`` and smg's ``/workers`` API, whose GETs
+read and other methods mutate), both may call the data plane.
 Once any control-plane key exists, the admin routes answer admin keys only, from anywhere
 (loopback included: behind a reverse proxy on the same host every client is loopback). With no
 control-plane key, the mutating admin routes answer loopback clients only (with ``--api-key``
@@ -37,6 +39,18 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_PATHS = frozenset({"/health", "/readiness", "/liveness", "/health_generate"})
 ADMIN_MUTATING = frozenset({"/add_worker", "/remove_worker", "/flush_cache"})
 ADMIN_READ = frozenset({"/list_workers"})
+WORKERS = "/workers"  # smg's worker API: GET reads, every other method mutates
+
+
+def admin_kind(method: str, path: str) -> str | None:
+    """``"mutating"``, ``"read"`` or None (not an admin route) for a request."""
+    if path in ADMIN_MUTATING:
+        return "mutating"
+    if path in ADMIN_READ:
+        return "read"
+    if path == WORKERS or path.startswith(WORKERS + "/"):
+        return "read" if method in ("GET", "HEAD") else "mutating"
+    return None
 FULL_VIEW = web.RequestKey("omniproxy_full_view", bool)
 
 
@@ -115,8 +129,8 @@ class Guard:
         if path in OPEN_PATHS:
             return None, None
         who = self.identify(request)
-        admin = path in ADMIN_MUTATING or path in ADMIN_READ
-        if admin and self.keys:
+        kind = admin_kind(request.method, path)
+        if kind is not None and self.keys:
             if who is None:
                 return error_response(401, "an admin key is required", "unauthorized"), None
             if who.role != "admin":
@@ -125,7 +139,7 @@ class Guard:
             return None, who
         if self.data_keys and who is None:
             return error_response(401, "missing or invalid API key", "unauthorized"), None
-        if path in ADMIN_MUTATING and not is_loopback(request.remote):
+        if kind == "mutating" and not is_loopback(request.remote):
             return error_response(403, "admin routes answer loopback clients only unless "
                                   "--control-plane-api-keys are configured",
                                   "forbidden"), who
@@ -134,7 +148,7 @@ class Guard:
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         denied, who = self.check(request)
-        admin = request.path in ADMIN_MUTATING or request.path in ADMIN_READ
+        admin = admin_kind(request.method, request.path) is not None
         if denied is not None:
             self._audit(request, who, admin, denied.status)
             return denied

@@ -26,6 +26,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from omniinfer.proxy import worker_api
 from omniinfer.proxy.auth import Guard, error_response, full_view, json_errors
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.control import AnswerTooLarge, read_capped
@@ -264,74 +265,6 @@ async def flush_cache(request: web.Request) -> web.Response:
     return _json({"success": ok, "workers": results}, status=200 if ok else 502)
 
 
-async def _worker_args(request: web.Request) -> dict[str, Any]:
-    """Worker fields from the query string (sglang_router style) or a JSON object body."""
-    args: dict[str, Any] = dict(request.query)
-    if request.can_read_body:
-        if (request.content_length or 0) > MAX_ADMIN_BODY:
-            raise ValueError(f"admin bodies are at most {MAX_ADMIN_BODY} bytes")
-        try:
-            async with asyncio.timeout(_router(request).config.client_body_timeout_secs):
-                raw = await request.content.read(MAX_ADMIN_BODY + 1)
-        except TimeoutError:
-            raise ValueError("body not received in time") from None
-        if len(raw) > MAX_ADMIN_BODY:
-            raise ValueError(f"admin bodies are at most {MAX_ADMIN_BODY} bytes")
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            raise ValueError("body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise ValueError("body must be a JSON object")
-        args.update(body)
-    return args
-
-
-async def add_worker(request: web.Request) -> web.Response:
-    router = _router(request)
-    try:
-        args = await _worker_args(request)
-        url = args.get("url")
-        if not isinstance(url, str) or not url:
-            raise ValueError("'url' is required")
-        kind = args.get("worker_type", args.get("role"))
-        if kind is None and router.pd:
-            raise ValueError("PD mode: 'worker_type' must be 'prefill' or 'decode'")
-        try:
-            role = Role.REGULAR if kind is None else Role(kind)
-        except ValueError:
-            raise ValueError("'worker_type' must be regular, prefill or decode") from None
-        port = args.get("bootstrap_port")
-        if isinstance(port, str):
-            port = None if port.lower() in ("", "none") else int(port) if port.isdigit() \
-                else -1
-        if port is not None and (not isinstance(port, int) or isinstance(port, bool)
-                                 or not 0 < port < 65536):
-            raise ValueError("'bootstrap_port' must be a port number (1-65535) or none")
-        worker = await router.add_worker(url, role, port)
-    except ValueError as exc:
-        return error_response(400, str(exc))
-    return _json({"added": worker.describe()})
-
-
-async def remove_worker(request: web.Request) -> web.Response:
-    router = _router(request)
-    try:
-        url = (await _worker_args(request)).get("url")
-        if not isinstance(url, str) or not url:
-            raise ValueError("'url' is required")
-        worker = router.remove_worker(url)
-    except ValueError as exc:
-        return error_response(400, str(exc))
-    except KeyError:
-        return error_response(404, f"no such worker: {url}")
-    return _json({"removed": worker.url})
-
-
-async def list_workers(request: web.Request) -> web.Response:
-    return _json(_router(request).describe())
-
-
 async def _expect(request: web.Request) -> None:
     """``Expect: 100-continue`` is answered as aiohttp does; any other expectation gets a JSON
     417 (aiohttp's own is plain text and never reaches the JSON middleware)."""
@@ -356,16 +289,16 @@ def build_app(router: Router) -> web.Application:
     if c.cors_allowed_origins:
         Cors(c.cors_allowed_origins).install(app)
     posts = {"/generate": _inference("generate"), "/v1/completions": _inference("completions"),
-             "/v1/chat/completions": _inference("chat"), "/flush_cache": flush_cache,
-             "/add_worker": add_worker, "/remove_worker": remove_worker}
+             "/v1/chat/completions": _inference("chat"), "/flush_cache": flush_cache}
     gets = {"/v1/models": models, "/model_info": model_info, "/get_model_info": model_info,
             "/server_info": server_info, "/get_server_info": server_info, "/health": health,
             "/readiness": health, "/liveness": liveness, "/health_generate": health_generate,
-            "/metrics": metrics, "/list_workers": list_workers}
+            "/metrics": metrics}
     for path, route in posts.items():
         app.router.add_post(path, route, expect_handler=_expect)
     for path, route in gets.items():
         app.router.add_get(path, route, expect_handler=_expect)
+    worker_api.add_routes(app, router, _expect)
     return app
 
 
