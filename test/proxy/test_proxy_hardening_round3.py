@@ -27,6 +27,7 @@ from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.control import supervise
 from omniinfer.proxy.redact import MAX_DEPTH, redact
 from omniinfer.proxy.server import HEALTH_GENERATE_TTL_S, open_router
+from omniinfer.proxy.worker_api import flush_caches
 from omniinfer.proxy.workers import (
     MAX_LOAD_COUNT,
     WorkerLoads,
@@ -206,7 +207,7 @@ def test_endless_control_answers_are_cut_at_the_cap() -> None:
                 assert await router.get_json(worker, "/server_info", timeout=10.0) is None
                 assert await router._poll_one(worker) is None
                 assert await router._probe(other, accepted=False) is False
-                flushed = await router.flush_cache()
+                flushed = await flush_caches(router)
                 assert flushed[worker.url] != 200
                 assert time.monotonic() - started < 5.0
             assert rss.peak - rss.start < 64, (rss.start, rss.peak)

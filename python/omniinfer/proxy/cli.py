@@ -156,6 +156,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--client-cert-path", help="PEM certificate the router presents to "
                    "https:// workers that ask for one (mutual TLS)")
     a.add_argument("--client-key-path", help="... and its PEM private key")
+    w.add_argument("--service-discovery", action="store_true",
+                   help="find workers among Kubernetes pods (in-cluster credentials or the "
+                   "kubeconfig): Running, Ready pods matching the selectors")
+    w.add_argument("--selector", nargs="+", metavar="KEY=VALUE",
+                   help="labels of the worker pods (regular mode)")
+    w.add_argument("--prefill-selector", nargs="+", metavar="KEY=VALUE",
+                   help="labels of the prefill pods (PD mode; bootstrap port from the "
+                   "sglang.ai/bootstrap-port annotation)")
+    w.add_argument("--decode-selector", nargs="+", metavar="KEY=VALUE",
+                   help="labels of the decode pods (PD mode)")
+    w.add_argument("--service-discovery-port", type=int,
+                   help="the workers' HTTP port in each pod (default 80)")
+    w.add_argument("--service-discovery-namespace",
+                   help="the namespace to watch (default: every namespace)")
     a.add_argument("--cors-allowed-origins", nargs="*", metavar="ORIGIN",
                    help="answer browsers from these origins (scheme://host[:port], or *) with "
                    "CORS headers; none given: no CORS headers (sglang-router then allows all)")

@@ -108,6 +108,12 @@ class RouterConfig:
     request_id_headers: list[str] | None = None  # None: DEFAULT_REQUEST_ID_HEADERS
     cors_allowed_origins: list[str] = dataclasses.field(default_factory=list)  # ``cors.py``
     rate_limit_tokens_per_second: float | None = None  # ``admission.RateLimit``
+    service_discovery: bool = False  # workers from Kubernetes pods (``discovery.py``)
+    selector: list[str] = dataclasses.field(default_factory=list)  # KEY=VALUE, regular mode
+    prefill_selector: list[str] = dataclasses.field(default_factory=list)
+    decode_selector: list[str] = dataclasses.field(default_factory=list)
+    service_discovery_port: int = 80  # the workers' HTTP port (sglang-router's default)
+    service_discovery_namespace: str | None = None  # None: every namespace
 
     @property
     def max_attempts(self) -> int:
@@ -121,8 +127,12 @@ class RouterConfig:
         return self.policy
 
     def validate(self) -> None:
+        if self.service_discovery:
+            from omniinfer.proxy.discovery import rules_from
+
+            rules_from(self)
         if self.pd_disaggregation:
-            if not self.prefill_urls or not self.decode_urls:
+            if not self.service_discovery and (not self.prefill_urls or not self.decode_urls):
                 raise ValueError("--pd-disaggregation needs at least one --prefill and one --decode")
             if self.worker_urls:
                 raise ValueError("--worker-urls is for regular mode; use --prefill/--decode in PD mode")

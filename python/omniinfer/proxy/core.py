@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from omniinfer.proxy import discovery
 from omniinfer.proxy.admission import Admission, RateLimit
 from omniinfer.proxy.base import Policy, PolicyContext, create_policy
 from omniinfer.proxy.circuit import CircuitBreaker
@@ -116,6 +117,7 @@ class Router:
         self._loop_ref: asyncio.AbstractEventLoop | None = None
         self.listener: Listener | None = None  # the guarded listening socket (serve_on)
         self.drain = Drain()  # in-flight inference handlers; graceful shutdown
+        self.discovery: discovery.Discovery | None = None
 
     # ---- set-up -----------------------------------------------------------------------------
     def serve_on(self, listener: Listener) -> None:
@@ -155,6 +157,11 @@ class Router:
         if self.config.loads_poll_interval_secs > 0:
             self._loops.append(asyncio.create_task(
                 supervise("loads", self._loads_loop, self.metrics.task_failed)))
+        if self.config.service_discovery:  # workers from Kubernetes pods (``discovery.py``)
+            self.discovery, loops = await discovery.start(self)
+            self._loops += [asyncio.create_task(supervise(f"discovery-{i}", loop,
+                                                          self.metrics.task_failed))
+                            for i, loop in enumerate(loops)]
 
     async def _find_tokenizer(self) -> Tokenizer:
         """The configured tokenizer; else the one a worker reports in /model_info, if local."""
@@ -186,6 +193,8 @@ class Router:
                 await task
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=2.0)
+        if self.discovery is not None:
+            await self.discovery.close()
         await self.cache_truth.close()
         await self.load_feeds.close()
         if self.session is not None:
@@ -437,27 +446,6 @@ class Router:
         self.http.drop(worker.url)
         self.policies[worker.role].on_workers_changed(self.pool.role(worker.role))
         return worker
-
-    async def flush_cache(self) -> dict[str, int | str]:
-        assert self.session is not None
-
-        async def one(worker: Worker) -> int | str:
-            try:
-                async with self.session.post(worker.url + "/flush_cache",  # type: ignore[union-attr]
-                                             headers=self.control_headers,
-                                             timeout=aiohttp.ClientTimeout(total=30.0)) as resp:
-                    await read_capped(resp, self.control_cap)
-                    return resp.status
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                return f"error: {exc.__class__.__name__}"
-
-        workers = self.pool.all()
-        results = await asyncio.gather(*(one(w) for w in workers))
-        for worker, status in zip(workers, results, strict=True):
-            if status == 200:
-                self.indexes[worker.role].clear(worker.url)
-                self.cache_truth.forget(worker)
-        return {w.url: s for w, s in zip(workers, results, strict=True)}
 
     def ready(self) -> bool:
         now = time.monotonic()

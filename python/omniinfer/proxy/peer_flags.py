@@ -35,8 +35,6 @@ class PeerFlag:
 
 
 _HISTORY = "conversation history storage (the responses API's) is not supported"
-_DISCOVERY = ("Kubernetes service discovery is not supported yet: list the workers with "
-              "--worker-urls, or --prefill and --decode")
 _JWT = "JWT authentication is not supported: use --api-key or --control-plane-api-keys"
 _TOKENIZER_CACHE = ("OmniProxy keeps no tokenizer cache (it tokenizes only for cache-aware "
                     "routing, off the event loop)")
@@ -89,12 +87,6 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
         "oracle-password", "oracle-pool-min", "oracle-pool-max", "oracle-pool-timeout-secs",
         "postgres-db-url", "postgres-pool-max", "redis-url", "redis-pool-max",
         "redis-retention-days")),
-    PeerFlag("service-discovery", REFUSED, _DISCOVERY, nargs="switch"),
-    PeerFlag("selector", REFUSED, _DISCOVERY, nargs="+"),
-    PeerFlag("prefill-selector", REFUSED, _DISCOVERY, nargs="+"),
-    PeerFlag("decode-selector", REFUSED, _DISCOVERY, nargs="+"),
-    PeerFlag("service-discovery-port", REFUSED, _DISCOVERY),
-    PeerFlag("service-discovery-namespace", REFUSED, _DISCOVERY),
     PeerFlag("enable-trace", REFUSED, "OpenTelemetry traces are not supported yet",
              nargs="switch"),
     PeerFlag("otlp-traces-endpoint", REFUSED, "OpenTelemetry traces are not supported yet"),

@@ -259,12 +259,6 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-async def flush_cache(request: web.Request) -> web.Response:
-    results = await _router(request).flush_cache()
-    ok = all(status == 200 for status in results.values())
-    return _json({"success": ok, "workers": results}, status=200 if ok else 502)
-
-
 async def _expect(request: web.Request) -> None:
     """``Expect: 100-continue`` is answered as aiohttp does; any other expectation gets a JSON
     417 (aiohttp's own is plain text and never reaches the JSON middleware)."""
@@ -289,7 +283,7 @@ def build_app(router: Router) -> web.Application:
     if c.cors_allowed_origins:
         Cors(c.cors_allowed_origins).install(app)
     posts = {"/generate": _inference("generate"), "/v1/completions": _inference("completions"),
-             "/v1/chat/completions": _inference("chat"), "/flush_cache": flush_cache}
+             "/v1/chat/completions": _inference("chat")}
     gets = {"/v1/models": models, "/model_info": model_info, "/get_model_info": model_info,
             "/server_info": server_info, "/get_server_info": server_info, "/health": health,
             "/readiness": health, "/liveness": liveness, "/health_generate": health_generate,

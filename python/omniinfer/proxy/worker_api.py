@@ -1,5 +1,5 @@
 """The worker-management routes: sglang-router's (``/add_worker``, ``/remove_worker``,
-``/list_workers``) and smg 1.13's REST API beside them, under the same admin rules (``auth.py``).
+``/list_workers``, ``/flush_cache``) and smg 1.13's REST API beside them, under the same admin rules (``auth.py``).
 
 smg's API, as its scripts use it:
 
@@ -32,10 +32,12 @@ import logging
 import uuid
 from typing import Any
 
+import aiohttp
 import orjson
 from aiohttp import web
 
 from omniinfer.proxy.auth import error_response
+from omniinfer.proxy.control import read_capped
 from omniinfer.proxy.core import Router
 from omniinfer.proxy.workers import Role, Worker, normalize_url
 
@@ -200,6 +202,30 @@ def _find(router: Router, wid: str) -> Worker | None:
     return None
 
 
+async def flush_caches(router: Router) -> dict[str, int | str]:
+    """``POST /flush_cache`` on every worker (30 s each, answers capped); the router forgets
+    the cached blocks of each worker that flushed. Status or error per worker URL."""
+    assert router.session is not None
+    session = router.session
+
+    async def one(worker: Worker) -> int | str:
+        try:
+            async with session.post(worker.url + "/flush_cache", headers=router.control_headers,
+                                    timeout=aiohttp.ClientTimeout(total=30.0)) as resp:
+                await read_capped(resp, router.control_cap)
+                return resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            return f"error: {exc.__class__.__name__}"
+
+    workers = router.pool.all()
+    results = await asyncio.gather(*(one(w) for w in workers))
+    for worker, status in zip(workers, results, strict=True):
+        if status == 200:
+            router.indexes[worker.role].clear(worker.url)
+            router.cache_truth.forget(worker)
+    return {w.url: s for w, s in zip(workers, results, strict=True)}
+
+
 def add_routes(app: web.Application, router: Router, expect: Any = None) -> None:
     """Both APIs on ``app``, bound to ``router`` (``expect``: the ``Expect`` header handler)."""
     registrations = Registrations()
@@ -227,6 +253,11 @@ def add_routes(app: web.Application, router: Router, expect: Any = None) -> None
 
     async def list_workers(request: web.Request) -> web.Response:
         return _json(router.describe())
+
+    async def flush_cache(request: web.Request) -> web.Response:
+        results = await flush_caches(router)
+        ok = all(status == 200 for status in results.values())
+        return _json({"success": ok, "workers": results}, status=200 if ok else 502)
 
     async def smg_spec(request: web.Request) -> tuple[dict[str, Any], str, Role, int | None]:
         args = await read_args(router, request, query=False)
@@ -330,7 +361,8 @@ def add_routes(app: web.Application, router: Router, expect: Any = None) -> None
 
     for method, path, handler in (
             ("POST", "/add_worker", add_worker), ("POST", "/remove_worker", remove_worker),
-            ("GET", "/list_workers", list_workers), ("POST", "/workers", create),
+            ("GET", "/list_workers", list_workers), ("POST", "/flush_cache", flush_cache),
+            ("POST", "/workers", create),
             ("GET", "/workers", listing), ("GET", "/workers/{worker_id}", get_one),
             ("DELETE", "/workers/{worker_id}", delete), ("PATCH", "/workers/{worker_id}", patch),
             ("PUT", "/workers/{worker_id}", replace)):
