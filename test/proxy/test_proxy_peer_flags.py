@@ -107,11 +107,11 @@ def test_a_default_only_flag_refuses_another_value_and_a_file_can_carry_peer_fla
     assert refused.value.lines == ["--history-backend redis: conversation history storage (the "
                                    "responses API's) is not supported (accepted: memory, none)"]
     path = tmp_path / "router.json"
-    path.write_text('{"eviction_interval_secs": 30, "mini_lb": true, "otlp_traces_endpoint": '
-                    '"http://c"}')
+    path.write_text('{"eviction_interval_secs": 30, "mini_lb": true, "jwt_issuer": '
+                    '"https://issuer"}')
     with pytest.raises(cli.RefusedFlags) as refused:
         cli.resolve(ours().parse_args([*PD, "--config", str(path)]))
-    assert [line.split(":")[0] for line in refused.value.lines] == ["--otlp-traces-endpoint"]
+    assert [line.split(":")[0] for line in refused.value.lines] == ["--jwt-issuer"]
     path.write_text('{"eviction_interval_secs": 30, "mini_lb": true, "enable_trace": false}')
     config, notes = cli.resolve_with_notes(ours().parse_args([*PD, "--config", str(path)]))
     assert [n.split(" ")[0] for n in notes] == ["--eviction-interval-secs", "--mini-lb"]

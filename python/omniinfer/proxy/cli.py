@@ -190,6 +190,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--prometheus-port", type=int,
                    help="... and this port (default 29000, as sglang-router's; 0: only the "
                    "main port; a default port already taken is skipped with a warning)")
+    o.add_argument("--enable-trace", action="store_true",
+                   help="one OpenTelemetry span per inference request, exported over OTLP; "
+                   "its context goes to the workers as traceparent")
+    o.add_argument("--otlp-traces-endpoint",
+                   help="the OTLP collector (default localhost:4317, gRPC; with "
+                   "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf a URL like "
+                   "http://HOST:4318/v1/traces)")
     o.add_argument("--log-level", choices=["debug", "info", "warn", "error"])
     o.add_argument("--log-dir", help="also write the log to LOG_DIR/omniproxy.log")
     o.add_argument("--shutdown-grace-period-secs", type=float,

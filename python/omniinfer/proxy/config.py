@@ -108,6 +108,8 @@ class RouterConfig:
     request_id_headers: list[str] | None = None  # None: DEFAULT_REQUEST_ID_HEADERS
     cors_allowed_origins: list[str] = dataclasses.field(default_factory=list)  # ``cors.py``
     rate_limit_tokens_per_second: float | None = None  # ``admission.RateLimit``
+    enable_trace: bool = False  # OpenTelemetry spans over OTLP (``tracing.py``)
+    otlp_traces_endpoint: str = "localhost:4317"  # sglang-router's default (gRPC)
     service_discovery: bool = False  # workers from Kubernetes pods (``discovery.py``)
     selector: list[str] = dataclasses.field(default_factory=list)  # KEY=VALUE, regular mode
     prefill_selector: list[str] = dataclasses.field(default_factory=list)
@@ -127,6 +129,10 @@ class RouterConfig:
         return self.policy
 
     def validate(self) -> None:
+        if self.enable_trace:
+            from omniinfer.proxy.tracing import check
+
+            check()
         if self.service_discovery:
             from omniinfer.proxy.discovery import rules_from
 

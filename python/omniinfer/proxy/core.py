@@ -47,6 +47,7 @@ from omniinfer.proxy.tokenization import (
     parse_body,
     prompt_tokens,
 )
+from omniinfer.proxy.tracing import Tracing
 from omniinfer.proxy.workers import Role, Worker, WorkerLoads, WorkerPool
 
 log = logging.getLogger("omniinfer.proxy")
@@ -118,6 +119,7 @@ class Router:
         self.listener: Listener | None = None  # the guarded listening socket (serve_on)
         self.drain = Drain()  # in-flight inference handlers; graceful shutdown
         self.discovery: discovery.Discovery | None = None
+        self.tracing = Tracing(config.otlp_traces_endpoint) if config.enable_trace else None
 
     # ---- set-up -----------------------------------------------------------------------------
     def serve_on(self, listener: Listener) -> None:
@@ -195,6 +197,10 @@ class Router:
             await asyncio.wait(list(self._tasks), timeout=2.0)
         if self.discovery is not None:
             await self.discovery.close()
+        if self.tracing is not None:  # the batched spans go out (bounded), off the loop
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
+                    None, self.tracing.close), 10.0)
         await self.cache_truth.close()
         await self.load_feeds.close()
         if self.session is not None:

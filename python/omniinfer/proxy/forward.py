@@ -73,6 +73,9 @@ async def handle(router: Router, request: web.Request, endpoint: str) -> web.Str
         refused.force_close()
         return refused
     task = router.drain.enter()
+    span = None
+    if router.tracing is not None:
+        span, req.trace_lines = router.tracing.begin(endpoint, request.headers, req.request_id)
     try:
         try:
             await _prepare(router, request, req)
@@ -106,8 +109,12 @@ async def handle(router: Router, request: web.Request, endpoint: str) -> web.Str
         router.drain.leave(task)
         req.finish(status)
         router.metrics.observe(endpoint, status, req.life)
-        if router.access_log is not None:
-            router.access_log.write(req.access_record())
+        if router.access_log is not None or span is not None:
+            record = req.access_record()
+            if router.access_log is not None:
+                router.access_log.write(record)
+            if span is not None and router.tracing is not None:
+                router.tracing.end(span, status, record)
 
 
 async def _read_body(router: Router, request: web.Request) -> bytes:

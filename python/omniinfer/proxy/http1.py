@@ -322,8 +322,9 @@ class Http1Pool:
     async def post(self, url: str, path: str, payload: bytes, *, stream: bool = False,
                    connect_timeout: float | None = None,
                    total_timeout: float | None = None,
-                   head_timeout: float | None = None) -> Response:
+                   head_timeout: float | None = None, extra: bytes = b"") -> Response:
         """POST ``payload`` (JSON) to ``url + path``; returns once the answer's head is in.
+        ``extra``: header lines of this request only (each ending ``\\r\\n``).
 
         ``total_timeout`` bounds the whole exchange, ``head_timeout`` the wait for the answer's
         head once the request is written; an answer read whole may not exceed the pool's
@@ -336,7 +337,7 @@ class Http1Pool:
             head = origin.heads[path] = (
                 f"POST {path} HTTP/1.1\r\nHost: {origin.host_header}\r\n{self.extra}"
                 f"Content-Type: application/json\r\nContent-Length: ").encode("latin-1")
-        data = head + str(len(payload)).encode() + b"\r\n\r\n" + payload
+        data = head + str(len(payload)).encode() + b"\r\n" + extra + b"\r\n" + payload
         loop = asyncio.get_running_loop()
         deadline = None if total_timeout is None else loop.time() + total_timeout
         conn = self._reuse(origin)

@@ -105,7 +105,7 @@ class PD(Strategy):
         (ignored when the decode's first output came first: that implied both)."""
         try:
             resp = await post(self.router, worker, self.path, attempt.payload_for(worker),
-                              stream=False)
+                              stream=False, extra=self.request.trace_lines)
         except Passthrough as p:
             return p.response.status, bytes(p.response.body or b"")  # type: ignore[arg-type]
         life = self.request.life
@@ -125,7 +125,7 @@ class PD(Strategy):
         head comes at once, before the prefill is done), a non-streamed answer's head (sent with
         the answer, once decoded)."""
         req = self.request
-        resp = await post(self.router, d, self.path, payload, req.stream)
+        resp = await post(self.router, d, self.path, payload, req.stream, req.trace_lines)
         if req.stream:
             first = await first_chunk(self.router, resp, d)
             req.life.enter(Phase.DECODE_SCHEDULED)

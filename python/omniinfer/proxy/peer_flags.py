@@ -87,9 +87,6 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
         "oracle-password", "oracle-pool-min", "oracle-pool-max", "oracle-pool-timeout-secs",
         "postgres-db-url", "postgres-pool-max", "redis-url", "redis-pool-max",
         "redis-retention-days")),
-    PeerFlag("enable-trace", REFUSED, "OpenTelemetry traces are not supported yet",
-             nargs="switch"),
-    PeerFlag("otlp-traces-endpoint", REFUSED, "OpenTelemetry traces are not supported yet"),
     *(PeerFlag(name, REFUSED, _JWT, nargs="*" if name == "jwt-role-mapping" else None)
       for name in ("jwt-issuer", "jwt-audience", "jwt-jwks-uri", "jwt-role-mapping")),
 )

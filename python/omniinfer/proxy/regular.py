@@ -39,7 +39,8 @@ class Regular(Strategy):
         router, req = self.router, self.request
         worker = attempt.bookings[0].worker
         attempt.scheduled()
-        resp = await post(router, worker, self.path, attempt.payload_for(worker), req.stream)
+        resp = await post(router, worker, self.path, attempt.payload_for(worker), req.stream,
+                          req.trace_lines)
         req.life.enter(Phase.PREFILL_RUNNING)
         if req.stream:
             first = await first_chunk(router, resp, worker)

@@ -151,7 +151,8 @@ class Request:
     __slots__ = ("id", "endpoint", "life", "prepared", "body", "stream", "batch", "route",
                  "headers", "rids", "output_events", "tail", "client_rid", "status", "decisions",
                  "bootstrap_room", "worker_rids", "failures", "error", "output_tokens",
-                 "reported_cached_tokens", "cache_prediction", "delivered", "request_id")
+                 "reported_cached_tokens", "cache_prediction", "delivered", "request_id",
+                 "trace_lines")
 
     body: dict[str, Any]  # as the client sent it (never the router's rids)
     route: RouteRequest  # what the policies see
@@ -159,6 +160,7 @@ class Request:
     def __init__(self, request_id: str, endpoint: str) -> None:
         self.id = request_id
         self.request_id = request_id  # the client's (--request-id-headers), else the router's
+        self.trace_lines = b""  # traceparent header lines for the workers (--enable-trace)
         self.endpoint = endpoint
         self.life = Lifecycle(request_id)
         self.prepared = False

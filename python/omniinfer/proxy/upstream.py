@@ -60,7 +60,7 @@ def _failure(worker: Worker, kind: str, exc: BaseException) -> UpstreamFailure:
 
 
 async def post(router: Router, worker: Worker, path: str, payload: bytes,
-               stream: bool) -> Response:
+               stream: bool, extra: bytes = b"") -> Response:
     """POST and return the response once headers are in; 5xx and transport errors raise."""
     c = router.config
     try:
@@ -68,7 +68,7 @@ async def post(router: Router, worker: Worker, path: str, payload: bytes,
                                       connect_timeout=c.upstream_connect_timeout_secs,
                                       total_timeout=c.request_timeout_secs,
                                       head_timeout=c.upstream_first_byte_timeout_secs
-                                      if stream else None)
+                                      if stream else None, extra=extra)
     except UPSTREAM_ERRORS as exc:
         raise _failure(worker, "connect", exc) from None
     if resp.status >= 500:
