@@ -21,10 +21,12 @@ it, as ``FILE: prefill.tp: ...``)::
       policy: oas              # or prefill_policy / decode_policy
       args: []                 # further python -m omniinfer.router flags
     kubernetes:                # the render only
-      image: lmsysorg/sglang:v0.5.23
+      image: omniinfer-sglang:0.1.0   # built by deploy/Dockerfile (SGLang's image + this)
       namespace: default
       gpus_per_node: 8
       name: omniinfer          # a DNS-1035 label of at most 40 characters
+      model_pvc: models        # optional: this claim at /models; a relative model is under it
+      shm_size: 16Gi           # /dev/shm of each server pod (memory)
 
 The file is untrusted input (``safe_yaml``: at most 1 MiB of UTF-8, no anchors, aliases or
 duplicate keys), and every value is bounded: ``count`` <= 256 instances per role, ``nnodes``
@@ -61,6 +63,8 @@ MAX_NAME_CHARS = 40  # kubernetes.name: NAME-prefill-I-J and s-NAME-decode stay 
 # RFC 1035 label (Services, hence kubernetes.name) and RFC 1123 label (namespaces)
 DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+QUANTITY = re.compile(r"[1-9][0-9]{0,5}(Ki|Mi|Gi|Ti)")
 IMAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@-]*")
 MAX_IMAGE_CHARS = 512
 
@@ -93,10 +97,12 @@ class RouterSpec:
 
 @dataclasses.dataclass(frozen=True)
 class KubeSpec:
-    image: str = "lmsysorg/sglang:v0.5.23"
+    image: str = "omniinfer-sglang:0.1.0"  # deploy/Dockerfile: lmsysorg/sglang:v0.5.23 + this
     namespace: str = "default"
     gpus_per_node: int = 8
     name: str = "omniinfer"
+    model_pvc: str | None = None  # a PersistentVolumeClaim mounted read-only at /models
+    shm_size: str = "16Gi"  # the /dev/shm emptyDir (memory) of every server pod
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,8 +194,17 @@ def _kube(m: _Mapping) -> KubeSpec:
                     m.take("namespace", str, default=KubeSpec.namespace),
                     m.take("gpus_per_node", int, default=KubeSpec.gpus_per_node, minimum=0,
                            maximum=MAX_GPUS_PER_NODE),
-                    m.take("name", str, default=KubeSpec.name))
+                    m.take("name", str, default=KubeSpec.name),
+                    m.take("model_pvc", str, default=None),
+                    m.take("shm_size", str, default=KubeSpec.shm_size))
     m.done()
+    if spec.model_pvc is not None and (not DNS1123_SUBDOMAIN.fullmatch(spec.model_pvc)
+                                       or len(spec.model_pvc) > 253):
+        raise DeployError(f"{m.where('model_pvc')}: must be a PersistentVolumeClaim name; got "
+                          f"{show(spec.model_pvc)}")
+    if not QUANTITY.fullmatch(spec.shm_size):
+        raise DeployError(f"{m.where('shm_size')}: must be a memory quantity like 16Gi; got "
+                          f"{show(spec.shm_size)}")
     if not DNS1035_LABEL.fullmatch(spec.name) or len(spec.name) > MAX_NAME_CHARS:
         raise DeployError(f"{m.where('name')}: must be a Kubernetes name: lower-case letters, "
                           "digits and '-', starting with a letter, ending with a letter or "
