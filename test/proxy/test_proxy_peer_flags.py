@@ -187,3 +187,19 @@ def test_metrics_on_the_peers_default_port_and_a_taken_one_is_skipped_unless_ask
         blocker.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("line", [
+    # SGLang's PD docs (sglang_router.launch_router with the mini load balancer)
+    ["--pd-disaggregation", "--mini-lb", "--prefill", "http://127.0.0.1:30000",
+     "--decode", "http://127.0.0.1:30001", "--host", "0.0.0.0", "--port", "8000"],
+    # smg's PD docs: a bootstrap port per prefill, policies per role, its monitor interval
+    ["--pd-disaggregation", "--prefill", "http://prefill1:8000", "9000",
+     "--prefill", "http://prefill2:8000", "9001", "--decode", "http://decode1:8001",
+     "--prefill-policy", "cache_aware", "--decode-policy", "round_robin",
+     "--load-monitor-interval", "5", "--host", "0.0.0.0", "--port", "30000"],
+])
+def test_the_pd_command_lines_of_sglang_and_smg_docs_start_omniproxy(line: list[str]) -> None:
+    config, notes = cli.resolve_with_notes(ours().parse_args(line))
+    assert config.pd_disaggregation and config.decode_urls and config.prefill_urls
+    assert all(not note.startswith("--pd") for note in notes)
