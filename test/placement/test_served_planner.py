@@ -9,13 +9,13 @@ from omniinfer.placement.dynamic import DynamicConfig
 
 
 def test_default_flags_serve_the_benchmarked_planner() -> None:
-    from omniinfer.sglang_plugin.placement.runtime import planner_config
+    from omniinfer.placement.served import planner_config
 
     assert planner_config(OmniConfig()) == DynamicConfig()  # ema-shift, 1.05, 0.01
 
 
 def test_flags_change_the_served_planner_and_bad_ones_are_refused() -> None:
-    from omniinfer.sglang_plugin.placement.runtime import planner_config
+    from omniinfer.placement.served import planner_config
 
     served = planner_config(OmniConfig.from_mapping({
         "omni_placement_predictor": "ema", "omni_placement_window": 9,

@@ -234,7 +234,7 @@ def contiguous(num_layers: int, num_experts: int, num_devices: int) -> Placement
 def served_planner_config() -> DynamicConfig:
     """The planner a server launched with ``--enable-omni-placement`` and no other flag runs."""
     from omniinfer.flags import OmniConfig
-    from omniinfer.sglang_plugin.placement.runtime import planner_config  # imports torch
+    from omniinfer.placement.served import planner_config
 
     return planner_config(OmniConfig())
 

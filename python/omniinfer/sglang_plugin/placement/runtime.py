@@ -48,7 +48,8 @@ import torch.distributed as dist
 
 from omniinfer.flags import OmniConfig
 from omniinfer.placement.base import Placement
-from omniinfer.placement.dynamic import DynamicConfig, DynamicPlanner, window_args
+from omniinfer.placement.dynamic import DynamicPlanner
+from omniinfer.placement.served import planner_config
 from omniinfer.placement.staging import HostCopy, SlotStager, StagedWeights
 from omniinfer.placement.transfers import logical_counts, plan_slot_copies
 from omniinfer.platform import CPU, Platform, for_tensor
@@ -75,15 +76,6 @@ class Staged:
     layers: list[int]
     weights: StagedWeights  # (layer, local slot) -> tensors, and their ready event
     record: dict[str, Any]
-
-
-def planner_config(config: OmniConfig) -> DynamicConfig:
-    """The planner the flags ask for; with none set, the one docs/benchmarks.md measured. The
-    window span reaches the predictor as the arguments its registry entry declares."""
-    return DynamicConfig(
-        trigger=config.omni_placement_trigger, margin=config.omni_placement_margin,
-        predictor=config.omni_placement_predictor,
-        predictor_args=window_args(config.omni_placement_predictor, config.omni_placement_window))
 
 
 class PlacementController:
