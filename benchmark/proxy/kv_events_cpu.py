@@ -38,8 +38,8 @@ sys.path.insert(0, str(HERE))
 from omniinfer.emulator.kv_events import KvEventRecorder  # noqa: E402
 from omniinfer.emulator.radix_cache import RadixCache  # noqa: E402
 from omniinfer.kv_events import decode_batch, encode_batch  # noqa: E402
-from omniinfer.proxy.cache_truth import WorkerCacheTruth  # noqa: E402
 from omniinfer.proxy.prefix import PrefixIndex  # noqa: E402
+from omniinfer.proxy.worker_cache_truth import WorkerCacheTruth  # noqa: E402
 
 
 def event_stream(prompts: int, prompt_tokens: int, shared_share: float, capacity: int,

@@ -26,7 +26,7 @@ import hostile_worker as hw  # noqa: E402
 from omniinfer.kv_events import ProtocolError, decode_batch  # noqa: E402
 from omniinfer.launch import free_port  # noqa: E402
 from omniinfer.load_feed import decode_load  # noqa: E402
-from omniinfer.proxy.kv_subscriber import sources_from_server_info  # noqa: E402
+from omniinfer.proxy.cache_truth import sources_from_server_info  # noqa: E402
 from omniinfer.proxy.load_feed import feed_endpoints  # noqa: E402
 
 EMULATOR_INFO = Path(__file__).resolve().parents[2] / "python" / "omniinfer" / "emulator" / \

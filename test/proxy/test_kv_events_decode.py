@@ -20,8 +20,8 @@ from omniinfer.kv_events import (
     decode_batch,
     encode_batch,
 )
-from omniinfer.proxy.cache_truth import WorkerCacheTruth
 from omniinfer.proxy.prefix import PrefixIndex, block_hashes
+from omniinfer.proxy.worker_cache_truth import WorkerCacheTruth
 
 KEY = "http://w:1"
 

@@ -12,9 +12,9 @@ import pytest
 
 from omniinfer.kv_events import Batch, ProtocolError, Removed, Stored, decode_batch
 from omniinfer.load_feed import LoadStat, decode_load, encode_load
-from omniinfer.proxy.cache_truth import RUN_CHARGE, PageChain, WorkerCacheTruth
 from omniinfer.proxy.control import WarningLimiter
 from omniinfer.proxy.prefix import ROOT_HASH, PrefixIndex, block_hashes, chain_hash
+from omniinfer.proxy.worker_cache_truth import RUN_CHARGE, PageChain, WorkerCacheTruth
 from omniinfer.proxy.workers import MAX_LOAD_COUNT, MAX_LOAD_RATE, Role, Worker
 
 KEY = "http://w:1"

@@ -23,14 +23,14 @@ from omniinfer.kv_events import (
 )
 from omniinfer.proxy import cli as router_cli
 from omniinfer.proxy.accuracy import Tally, outcome, reported_cached_tokens, reported_from_stream
-from omniinfer.proxy.cache_truth import PageChain, SequenceCheck, WorkerCacheTruth
-from omniinfer.proxy.config import RouterConfig
-from omniinfer.proxy.kv_subscriber import (
+from omniinfer.proxy.cache_truth import (
     NoEvents,
     parse_endpoint_overrides,
     sources_from_server_info,
 )
+from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.prefix import PrefixIndex, block_hashes
+from omniinfer.proxy.worker_cache_truth import PageChain, SequenceCheck, WorkerCacheTruth
 
 KEY = "http://w:1"
 

@@ -23,10 +23,10 @@ from omni_testing import eventually
 from omniinfer.kv_events import BlockRemoved, BlockStored, encode_batch, seq_bytes
 from omniinfer.launch import free_port
 from omniinfer.load_feed import LoadStat, encode_load
-from omniinfer.proxy.cache_truth import RUN_CHARGE, WorkerCacheTruth
-from omniinfer.proxy.kv_subscriber import KvLimits, Source, WorkerSubscription
+from omniinfer.proxy.cache_truth import KvLimits, Source, WorkerSubscription
 from omniinfer.proxy.load_feed import WorkerFeed
 from omniinfer.proxy.prefix import PrefixIndex
+from omniinfer.proxy.worker_cache_truth import RUN_CHARGE, WorkerCacheTruth
 from omniinfer.proxy.workers import Role, Worker
 
 PEER = Path(__file__).with_name("hostile_peer.py")

@@ -17,18 +17,18 @@ from aiohttp.test_utils import make_mocked_request
 from omniinfer.kv_events import Batch, Stored
 from omniinfer.proxy.auth import Guard, parse_control_plane_keys
 from omniinfer.proxy.base import PolicyContext, RouteRequest, create_policy
-from omniinfer.proxy.cache_truth import WorkerCacheTruth
-from omniinfer.proxy.config import RouterConfig
-from omniinfer.proxy.core import Router
-from omniinfer.proxy.kv_subscriber import (
+from omniinfer.proxy.cache_truth import (
     NoEvents,
     Source,
     WorkerSubscription,
     sources_from_server_info,
 )
+from omniinfer.proxy.config import RouterConfig
+from omniinfer.proxy.core import Router
 from omniinfer.proxy.metrics import AccessLog, ProxyMetrics
 from omniinfer.proxy.prefix import ROOT_HASH, PrefixIndex, chain_hash
 from omniinfer.proxy.tokenization import Tokenizer
+from omniinfer.proxy.worker_cache_truth import WorkerCacheTruth
 from omniinfer.proxy.workers import Role, Worker, WorkerPool, normalize_url
 
 
@@ -220,7 +220,7 @@ def test_server_info_cannot_point_the_router_anywhere() -> None:
 
 
 def test_a_bad_server_info_never_takes_the_router_down() -> None:
-    from omniinfer.proxy.kv_subscriber import CacheTruth
+    from omniinfer.proxy.cache_truth import CacheTruth
 
     async def fetch(worker: Worker, path: str, timeout: float) -> Any:
         return {"kv_events": {"endpoint_port_base": "x" * 10, "dp_size": [1]},

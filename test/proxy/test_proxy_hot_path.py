@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from omniinfer.proxy.metrics import LATENCY_BUCKETS, AccessLog, FastCounter, FastHistogram
 from omniinfer.proxy.oas.cost import BatchTimeModel
-from omniinfer.proxy.oas.deferring import MemoModel
+from omniinfer.proxy.oas.deferred_policy import MemoModel
 from omniinfer.proxy.prefix import PrefixIndex
 from omniinfer.proxy.tokenization import ApproxTokenizer
 

@@ -13,10 +13,10 @@ import pytest
 import zmq.asyncio
 
 from omniinfer.kv_events import BlockStored, encode_batch
-from omniinfer.proxy import kv_subscriber
-from omniinfer.proxy.cache_truth import WorkerCacheTruth
-from omniinfer.proxy.kv_subscriber import KvLimits, Source, WorkerSubscription
+from omniinfer.proxy import cache_truth
+from omniinfer.proxy.cache_truth import KvLimits, Source, WorkerSubscription
 from omniinfer.proxy.prefix import PrefixIndex
+from omniinfer.proxy.worker_cache_truth import WorkerCacheTruth
 from omniinfer.proxy.workers import Role, Worker
 
 HOLD_LIMIT_S = 0.1
@@ -83,7 +83,7 @@ def replayed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
         asked.append((start, stop))
         return {seq: _tiny_stores(400, first=1 + seq * 1000) for seq in range(start, stop)}
 
-    monkeypatch.setattr(kv_subscriber, "fetch_replay", fake_fetch)
+    monkeypatch.setattr(cache_truth, "fetch_replay", fake_fetch)
     return asked
 
 

@@ -18,10 +18,10 @@ from omni_testing import eventually
 from omniinfer.emulator.process import EmulatorProcess
 from omniinfer.kv_events import BlockStored, Stored, encode_batch, seq_bytes
 from omniinfer.launch import free_port
-from omniinfer.proxy.cache_truth import WorkerCacheTruth
-from omniinfer.proxy.kv_subscriber import Source, WorkerSubscription
+from omniinfer.proxy.cache_truth import Source, WorkerSubscription
 from omniinfer.proxy.prefix import PrefixIndex, block_hashes
 from omniinfer.proxy.process import RouterProcess
+from omniinfer.proxy.worker_cache_truth import WorkerCacheTruth
 from omniinfer.proxy.workers import Role, Worker
 
 BLOCK = 16

@@ -139,7 +139,7 @@ def test_oas_policy_counts_an_instance_short_of_work_until_two_batches_are_out()
 
 
 def test_the_ttft_objective_reaches_the_queue_order() -> None:
-    from omniinfer.proxy.oas.deferral import Waiting
+    from omniinfer.proxy.oas.deferred_queue import Waiting
     from omniinfer.proxy.oas.policy import OASNoSLO
 
     config = RouterConfig(oas_ttft_slo_secs=1.0)
@@ -188,7 +188,7 @@ def test_no_defer_sends_to_a_busy_instance_at_once_where_oas_holds() -> None:
 
 
 def test_goodput_and_moore_hodgson_variants_reach_the_queue() -> None:
-    from omniinfer.proxy.oas.deferral import Waiting
+    from omniinfer.proxy.oas.deferred_queue import Waiting
     from omniinfer.proxy.oas.policy import OASAged, OASGoodput, OASMooreHodgson
 
     def make(cls: type[OASPolicy], slo: float) -> OASPolicy:
@@ -216,7 +216,7 @@ def test_goodput_and_moore_hodgson_variants_reach_the_queue() -> None:
 
 
 def test_oas_orders_by_the_load_with_an_objective_and_ages_without_one() -> None:
-    from omniinfer.proxy.oas.deferral import Waiting
+    from omniinfer.proxy.oas.deferred_queue import Waiting
 
     def make(slo: float | None) -> OASPolicy:
         return OASPolicy(PolicyContext(RouterConfig(oas_ttft_slo_secs=slo), PrefixIndex(),

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from omniinfer.proxy.oas.deferral import (
+from omniinfer.proxy.oas.deferred_queue import (
     DeferralOptions,
     DeferredQueue,
     Release,

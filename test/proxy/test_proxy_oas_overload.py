@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from omniinfer.proxy.oas.deferral import (
+from omniinfer.proxy.oas.deferred_queue import (
     Order,
     Waiting,
     get_order,

@@ -358,10 +358,10 @@ def test_the_routers_readers_drop_an_endless_message_and_redial() -> None:
     """The KV-event and load-feed readers against a worker whose every message is endless:
     each connection is cut at the frame bound, counted as a disconnect (not a failure), and
     dialled again; memory stays small."""
-    from omniinfer.proxy.cache_truth import WorkerCacheTruth
-    from omniinfer.proxy.kv_subscriber import Source, WorkerSubscription
+    from omniinfer.proxy.cache_truth import Source, WorkerSubscription
     from omniinfer.proxy.load_feed import WorkerFeed
     from omniinfer.proxy.prefix import PrefixIndex
+    from omniinfer.proxy.worker_cache_truth import WorkerCacheTruth
     from omniinfer.proxy.workers import Role, Worker
 
     async def scenario() -> None:

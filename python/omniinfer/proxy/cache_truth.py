@@ -1,404 +1,368 @@
-"""Cache truth from KV events: a worker's stored and evicted pages → the router's block hashes.
+"""``--cache-truth kv-events``: subscribe to each worker's KV events and let them drive its index.
 
-The router matches prompts by chained hashes of ``block_size`` tokens (``prefix.py``). A worker's
-events name its own pages instead: opaque hashes of ``page_size`` tokens, each stored with its
-tokens and its parent page's hash. ``PageChain`` knows, per worker page, where the page ends on
-the router's block grid — the router hash of the last full router block before its end and the
-tokens after that block (fewer than ``block_size``), worked out from the page's stored run when
-a child names it — so a child page's router blocks follow from its parent alone, whatever the
-two sizes (SGLang on CPU pages by 1 token, the router by 16). A
-router block belongs to the page holding its last token: stored with it, removed with it.
-``WorkerCacheTruth`` sums the pages of all of a worker's publishers (one per DP rank) into a
-reference count per router block and keeps the worker's ``PrefixIndex`` entry equal to the
-blocks with a count above zero. ``SequenceCheck`` classifies sequence numbers (in order, gap,
-restart). All pure: the sockets are in ``kv_subscriber.py``.
+Per worker the router finds the publisher in ``/server_info`` (SGLang's ``kv_events`` block, else
+its ``kv_events_config`` endpoint with the worker's host for a wildcard; one endpoint per DP
+rank) or takes ``--kv-events-endpoint URL=tcp://HOST:PORT``. One asyncio task per endpoint
+reads ``[topic, seq, payload]`` messages as a ZMQ SUB (the router's own ZMTP client,
+``zmtp.py``; not libzmq, whose limits bound frames, not messages) and applies them in order to the
+worker's ``WorkerCacheTruth`` (``worker_cache_truth.py``). A sequence gap is filled from the replay
+socket when the worker advertises one; otherwise (or if the replay falls short) that publisher's
+pages are forgotten — the router then under-predicts until the worker stores again, which is
+safer than predicting what may be gone. A lost connection (the worker died or restarted, or the
+network dropped) forgets them too and resynchronises like a late joiner: the first batch after
+it that is not sequence 0 asks the replay socket for 0 onwards. A sequence that goes back
+without a disconnect is a restart, handled the same way. A worker without events keeps the
+router's own index (insert on route), with a warning. The router's hot path never waits on any
+of this.
 
-Bounds, since a worker's events are not trusted: a page longer than ``max_page_tokens`` is
-refused (counted in ``oversized_events``); a worker's publishers together keep at most
-``max_tokens`` tokens of stored runs (past it the oldest stores are forgotten first, counted in
-``evicted_pages``) and each at most ``max_pages`` pages (past it that publisher's view is
-reset). Storing one event costs time linear in its tokens and pages, whatever the page size.
+A publisher is not trusted (``KvLimits`` in ``kv_sources.py``): its connection queues a bounded
+number of messages bounded in frames and bytes (a larger one, or a protocol fault, drops the
+connection; the reader then forgets and dials again), one wake-up applies a bounded number of
+batches before yielding, a replay is bounded in time, entries and bytes, and a failed replay is
+not retried within its timeout. A message that is not ``[topic, seq, payload]`` is counted and dropped
+without touching the sequence state; an undecodable payload forgets that publisher's pages.
+Warnings are rate-limited per publisher and kind. A reader that fails is logged, counted,
+reported (``on_failure``) and restarted; it never dies silently.
 """
 
 from __future__ import annotations
 
-import collections
+import asyncio
+import contextlib
 import dataclasses
-import itertools
-from collections.abc import Iterable, Sequence
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from omniinfer.kv_events import GPU_MEDIA, Batch, Cleared, Removed, Stored
-from omniinfer.proxy.prefix import ROOT_HASH, PrefixIndex, chain_hash
+from omniinfer.kv_events import ProtocolError, decode_batch, seq_from
+from omniinfer.proxy import zmtp
+from omniinfer.proxy.control import FailureHook, Supervisor, WarningLimiter
+from omniinfer.proxy.kv_sources import (
+    KvLimits,
+    NoEvents,
+    ReplayError,
+    Source,
+    dial_rank,
+    fetch_replay,
+    sources_from_server_info,
+)
+from omniinfer.proxy.prefix import PrefixIndex
+from omniinfer.proxy.subscriptions import WorkerSubscriptions
+from omniinfer.proxy.worker_cache_truth import (
+    DEFAULT_MAX_PAGE_TOKENS,
+    DEFAULT_MAX_TOKENS,
+    SequenceCheck,
+    WorkerCacheTruth,
+)
+from omniinfer.proxy.workers import Role, Worker
 
-_EMPTY: tuple[int, ...] = ()
-DEFAULT_MAX_TOKENS = 1 << 24  # per worker, as --max-tree-size's default
-DEFAULT_MAX_PAGE_TOKENS = 1 << 14  # SGLang pages hold 1..256 tokens in practice
-RUN_CHARGE = 2  # a stored run's own records cost about two 1-token pages' (~300 B)
-_STAMPS = itertools.count()  # the order runs were stored in, over every chain
-
-
-@dataclasses.dataclass
-class ChainStats:
-    stored_pages: int = 0
-    removed_pages: int = 0
-    orphan_pages: int = 0  # stored under a parent page never seen (missed events): dropped
-    unknown_removals: int = 0  # removal of a page never seen
-    ignored_events: int = 0  # other media (host/disk tiers), LoRA / salted namespaces
-    malformed_events: int = 0
-    oversized_events: int = 0  # pages longer than max_page_tokens: refused
-    evicted_pages: int = 0  # forgotten, oldest first, to keep the worker within max_tokens
-
-
-class _Run:
-    """The pages of one ``BlockStored`` event on the router's grid.
-
-    ``hashes`` are the router blocks that end inside the run (over ``tail`` + ``tokens``); a
-    page's own place — the router hash before its end and the tokens after it — is worked out
-    only when a later event names it as parent. So storing a run costs one chained hash per
-    router block and no Python work per page (SGLang on CPU and the emulator page by 1 token).
-    ``live`` counts the chain's pages that still map to this run; ``stamp`` orders runs by
-    age (for the token budget).
-    """
-
-    __slots__ = ("previous", "tail", "tokens", "page", "pages", "hashes", "live", "stamp",
-                 "charge", "_positions")
-
-    def __init__(self, previous: int, tail: tuple[int, ...], tokens: tuple[int, ...],
-                 page: int, pages: tuple[int, ...], block_size: int) -> None:
-        self.previous, self.tail, self.tokens, self.page, self.pages = (
-            previous, tail, tokens, page, pages)
-        buffer = tail + tokens
-        hashes: list[int] = []
-        for start in range(0, len(buffer) - block_size + 1, block_size):
-            previous = chain_hash(previous, buffer[start:start + block_size])
-            hashes.append(previous)
-        self.hashes = hashes
-        self.live = 0
-        self.stamp = next(_STAMPS)
-        # what the run costs the token budget: its tokens, plus a run's own records (about
-        # what RUN_CHARGE tokens cost), so that many tiny stores cannot outgrow the budget
-        self.charge = len(tokens) + RUN_CHARGE
-        self._positions: dict[int, int] | None = None
-
-    def ends(self, block_size: int) -> dict[int, tuple[int, ...]]:
-        """Page hash -> the router blocks whose last token is in that page (pages with any)."""
-        first = block_size - 1 - len(self.tail)  # block 0's last token in ``tokens``
-        owners = [self.pages[last // self.page]
-                  for last in range(first, first + len(self.hashes) * block_size, block_size)]
-        if self.page <= block_size:  # one block per page at most
-            return dict(zip(owners, zip(self.hashes, strict=True), strict=True))
-        lists: dict[int, list[int]] = {}  # built once: growing tuples is quadratic in a page
-        for owner, h in zip(owners, self.hashes, strict=True):
-            found = lists.get(owner)
-            if found is None:
-                lists[owner] = [h]
-            else:
-                found.append(h)
-        return {owner: tuple(blocks) for owner, blocks in lists.items()}
-
-    def position(self, page_hash: int) -> int:
-        """The index of ``page_hash`` (its first occurrence) in ``pages``: a scan for a short
-        run, a map made once for a long one (else naming a parent late in a long run is
-        linear per child event)."""
-        if len(self.pages) <= 32:
-            return self.pages.index(page_hash)
-        if self._positions is None:
-            count = len(self.pages)
-            self._positions = dict(zip(reversed(self.pages), range(count - 1, -1, -1),
-                                       strict=True))
-        return self._positions[page_hash]
-
-    def place(self, page_hash: int, block_size: int) -> tuple[int, tuple[int, ...]]:
-        """(router hash of the last full block before the page's end, tokens after it)."""
-        i = self.position(page_hash)
-        end = len(self.tail) + min((i + 1) * self.page, len(self.tokens))
-        full = end // block_size
-        previous = self.hashes[full - 1] if full else self.previous
-        cut = full * block_size
-        if cut >= len(self.tail):
-            return previous, self.tokens[cut - len(self.tail):end - len(self.tail)]
-        return previous, (self.tail + self.tokens)[cut:end]
+__all__ = ["MODES", "CacheTruth", "KvLimits", "NoEvents", "Source", "WorkerSubscription",
+           "dial_rank", "parse_endpoint_overrides", "sources_from_server_info"]
+log = logging.getLogger("omniinfer.proxy")
+MODES = ("router", "kv-events")
+FetchJson = Callable[[Worker, str, float], Awaitable[Any]]
+APPLY_SLICE = 1024  # events of one batch applied between two yields (~10 ms at most)
+DECODE_INLINE_BYTES = 128 << 10  # larger payloads are decoded off the event loop's thread
+_WARNINGS = WarningLimiter()  # per publisher endpoint and kind of fault
 
 
-class PageChain:
-    """One publisher's pages, each mapped onto the router's block grid.
-
-    ``tokens`` counts the tokens of the stored runs some page still maps to (what the chain
-    holds), each run charged ``RUN_CHARGE`` more for its own records; ``len`` counts pages."""
-
-    def __init__(self, block_size: int, max_page_tokens: int = DEFAULT_MAX_PAGE_TOKENS) -> None:
-        if block_size <= 0:
-            raise ValueError("block_size must be positive")
-        self.block_size = block_size
-        self.max_page_tokens = max_page_tokens
-        self._pages: dict[int, _Run] = {}  # page hash -> the run it was stored in
-        self._ends: dict[int, tuple[int, ...]] = {}  # page hash -> router blocks ending in it
-        self._runs: collections.OrderedDict[_Run, None] = collections.OrderedDict()  # oldest 1st
-        self.tokens = 0
-        self.stats = ChainStats()
-
-    def __len__(self) -> int:
-        return len(self._pages)
-
-    def store(self, event: Stored) -> list[int]:
-        """Router blocks the worker now holds because of ``event``."""
-        if event.namespaced or event.medium not in GPU_MEDIA:
-            self.stats.ignored_events += 1
-            return []
-        count, page, tokens = len(event.hashes), event.block_size, event.tokens
-        if page > self.max_page_tokens:
-            self.stats.oversized_events += 1
-            return []
-        if count == 0 or not (count - 1) * page < len(tokens) <= count * page:
-            self.stats.malformed_events += 1
-            return []
-        if event.parent is None:
-            previous, tail = ROOT_HASH, _EMPTY
-        else:
-            parent = self._pages.get(event.parent)
-            if parent is None:
-                self.stats.orphan_pages += count
-                return []
-            previous, tail = parent.place(event.parent, self.block_size)
-        run = _Run(previous, tail, tokens, page, event.hashes, self.block_size)
-        ends = run.ends(self.block_size)
-        # Known pages (a replay, a repeated store) must not count twice. A page id names its
-        # whole token path, so a known page maps to the same place from either run; only the
-        # pages that end router blocks (and the first, where a replay starts) need the check.
-        if event.hashes[0] in self._pages or not self._ends.keys().isdisjoint(ends):
-            return self._store_known(event, previous, tail)
-        return self._add(run, ends)
-
-    def _add(self, run: _Run, ends: dict[int, tuple[int, ...]] | None = None) -> list[int]:
-        if self._pages.keys().isdisjoint(run.pages):  # the usual case: no Python per page
-            before = len(self._pages)
-            self._pages.update(zip(run.pages, itertools.repeat(run)))
-            run.live = len(self._pages) - before  # distinct pages
-        else:  # pages taken over from older runs: those hold one page fewer each
-            for h in dict.fromkeys(run.pages):
-                old = self._pages.get(h)
-                if old is not None:
-                    self._drop(old)
-                self._pages[h] = run
-                run.live += 1
-        self._ends.update(run.ends(self.block_size) if ends is None else ends)
-        self._runs[run] = None
-        self.tokens += run.charge
-        self.stats.stored_pages += len(run.pages)
-        return list(run.hashes)
-
-    def _drop(self, run: _Run, pages: int = 1) -> None:
-        """``pages`` pages of ``run`` are gone; the run (and its tokens) goes with its last."""
-        run.live -= pages
-        if run.live <= 0 and self._runs.pop(run, False) is None:
-            self.tokens -= run.charge
-
-    def _store_known(self, event: Stored, previous: int, tail: tuple[int, ...]) -> list[int]:
-        """Some pages are stored again (a replay, a repeated store): already counted, so only
-        the new ones after them add blocks; each new stretch becomes its own run."""
-        added: list[int] = []
-        page, size, hashes = event.block_size, self.block_size, event.hashes
-        i = 0
-        while i < len(hashes):
-            known = self._pages.get(hashes[i])
-            if known is not None:
-                previous, tail = known.place(hashes[i], size)
-                i += 1
-                continue
-            j = i
-            while j < len(hashes) and hashes[j] not in self._pages:
-                j += 1
-            run = _Run(previous, tail, event.tokens[i * page:j * page], page, hashes[i:j], size)
-            added.extend(self._add(run))
-            previous, tail = run.place(hashes[j - 1], size)
-            i = j
-        return added
-
-    def remove(self, event: Removed) -> list[int]:
-        """Router blocks the worker no longer holds because of ``event``."""
-        if event.medium not in GPU_MEDIA:
-            self.stats.ignored_events += 1
-            return []
-        runs = collections.Counter(map(self._pages.pop, event.hashes, itertools.repeat(None)))
-        unknown = runs.pop(None, 0)
-        for run, pages in runs.items():  # counted in C: a Python step per run, not per page
-            self._drop(run, pages)
-        self.stats.unknown_removals += unknown
-        self.stats.removed_pages += len(event.hashes) - unknown
-        ends = map(self._ends.pop, event.hashes, itertools.repeat(None))
-        return [h for blocks in ends if blocks for h in blocks]
-
-    def oldest(self) -> int | None:
-        """The stamp of the oldest run still held (None when empty)."""
-        return next(iter(self._runs)).stamp if self._runs else None
-
-    def evict_oldest(self) -> list[int]:
-        """Forget the oldest run still held (its pages that still map to it); the router
-        blocks they held."""
-        run, _ = self._runs.popitem(last=False)
-        self.tokens -= run.charge
-        released: list[int] = []
-        for h in run.pages:
-            if self._pages.get(h) is run:
-                del self._pages[h]
-                self.stats.evicted_pages += 1
-                released.extend(self._ends.pop(h, ()))
-        run.live = 0
-        return released
-
-    def clear(self) -> list[int]:
-        """Forget every page; the router blocks they held."""
-        released = [h for blocks in self._ends.values() for h in blocks]
-        self._pages.clear()
-        self._ends.clear()
-        self._runs.clear()
-        self.tokens = 0
-        return released
+def _warn(source: Source, kind: str, message: str, *args: Any,
+          level: int = logging.WARNING) -> None:
+    """Log a fault of ``source`` (what it sent, or its connection), rate-limited."""
+    _WARNINGS.warn(log, f"{kind} {source.endpoint}", message, *args, level=level)
 
 
-class WorkerCacheTruth:
-    """One worker's cache as router blocks: the union of its publishers' pages → its index."""
+class WorkerSubscription:
+    """The subscriber tasks of one worker (one per publisher).
 
-    def __init__(self, key: str, index: PrefixIndex, block_size: int, sources: int = 1,
-                 max_pages: int = 1 << 22, pending_s: float = 30.0, *,
-                 max_tokens: int = DEFAULT_MAX_TOKENS,
-                 max_page_tokens: int = DEFAULT_MAX_PAGE_TOKENS) -> None:
-        self.key = key
-        self.max_pages = max_pages  # per publisher; beyond it that publisher's view is reset
-        self.max_tokens = max_tokens  # over all publishers; beyond it the oldest go first
-        self.overflows = 0
-        self.index = index
-        self.chains = [PageChain(block_size, max_page_tokens) for _ in range(max(1, sources))]
-        self._counts: dict[int, int] = {}
-        # Sent but not yet reported: a prompt's blocks count as held from the moment the router
-        # sends it until the worker's events store them (its prefill is done) or ``pending_s``
-        # passes, so the requests routed meanwhile see the prefix where it is being computed.
-        self.pending_s = pending_s
-        self._pending: dict[int, float] = {}  # router block -> deadline
-        self._deadlines: collections.deque[tuple[float, list[int]]] = collections.deque()
-        self.expired = 0
-        self.batches = 0
-        self.cleared = 0
-        self.resets = 0
+    Each task reads its publisher within ``limits`` (``KvLimits``) and never dies: a failure is
+    logged with its traceback, counted (``Source.failures``), reported to ``on_failure`` (with
+    ``"kv-events"``), forgets that publisher's pages and starts over after a backoff. Warnings
+    about what a publisher sends are rate-limited per publisher and kind."""
 
-    def apply(self, source: int, batch: Batch, first_part: bool = True) -> None:
-        """Apply one decoded batch of publisher ``source`` in order (or one slice of a large
-        batch: only its first counts as a batch)."""
-        self.batches += first_part
-        chain = self.chains[source]
-        for event in batch.events:
-            if isinstance(event, Stored):
-                self._hold(chain.store(event))
-            elif isinstance(event, Removed):
-                self._release(chain.remove(event))
-            elif isinstance(event, Cleared):
-                self.cleared += 1
-                self._release(chain.clear())
-        if len(chain) > self.max_pages:  # a publisher that never evicts cannot grow us forever
-            self.overflows += 1
-            self.reset(source)
-        if self.tokens() > self.max_tokens:
-            self._evict()
+    def __init__(self, worker: Worker, truth: WorkerCacheTruth, sources: list[Source],
+                 page_size: int | None,
+                 limits: KvLimits | None = None, on_failure: FailureHook | None = None) -> None:
+        self.worker = worker
+        self.truth = truth
+        self.sources = sources
+        self.page_size = page_size
+        self.limits = limits or KvLimits()
+        self._supervisor = Supervisor("kv-events", on_failure, self.limits.restart_backoff_s,
+                                      limiter=_WARNINGS)
+        self._replay_after = [0.0] * len(sources)  # monotonic: no replay before, after a failed one
+        loop = asyncio.get_running_loop()
+        self._tasks = [self._supervisor.watch(loop.create_task(self._run(i)), s.endpoint)
+                       for i, s in enumerate(sources)]
 
-    def tokens(self) -> int:
-        """Tokens of the stored runs the worker's publishers still hold pages of."""
-        return sum(chain.tokens for chain in self.chains)
+    def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
 
-    def _evict(self) -> None:
-        """Forget the oldest stores, over all publishers, until within ``max_tokens``."""
-        total = self.tokens()
-        while total > self.max_tokens:
-            held = [(c.oldest(), i) for i, c in enumerate(self.chains) if c.oldest() is not None]
-            if not held:
-                return
-            chain = self.chains[min(held)[1]]
-            before = chain.tokens
-            self._release(chain.evict_oldest())
-            total -= before - chain.tokens
+    async def close(self) -> None:
+        self.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
-    def reset(self, source: int | None = None) -> None:
-        """Forget what ``source`` (or every source) said: after a gap, a restart, a re-admission
-        (every source: what was sent and not yet reported is forgotten too)."""
-        self.resets += 1
-        if source is None:
-            self.expire(float("inf"))
-        for i, chain in enumerate(self.chains):
-            if source is None or i == source:
-                self._release(chain.clear())
+    async def _run(self, index: int) -> None:
+        source = self.sources[index]
 
-    def expect(self, hashes: Sequence[int], now: float) -> None:
-        """The router sent a prompt of these blocks here (see ``_pending``)."""
-        self.expire(now)
-        if not hashes:
+        def failed() -> None:
+            source.failures += 1
+            self.truth.reset(index)  # what it missed meanwhile is unknown: start from nothing
+
+        await self._supervisor.run(source.endpoint, lambda: self._session(index, source), failed)
+
+    async def _session(self, index: int, source: Source) -> None:
+        """Read one connection to a publisher until cancelled, until it ends (then return: the
+        supervisor dials again) or until something raises. The router's own ZMTP client
+        (``zmtp.py``) reads it: every message is bounded in frames and bytes."""
+        try:
+            conn = await zmtp.connect(source.endpoint, zmtp.SUB, self.limits.connection_limits(),
+                                      subscribe=(source.topic.encode(),))
+        except zmtp.ZmtpError as exc:  # not up (yet), or not a ZMTP publisher
+            _warn(source, "unreachable", "kv events %s: %s", source.endpoint, exc,
+                  level=logging.INFO)
             return
-        deadline = now + self.pending_s
-        new = [h for h in hashes if h not in self._counts]
-        if new:
-            self._pending.update(dict.fromkeys(new, deadline))
-            self._deadlines.append((deadline, new))
-        self.index.insert(self.key, hashes)  # also refreshes the index's LRU order
+        source.connected = True
+        _warn(source, "connected", "kv events %s: connected", source.endpoint, level=logging.INFO)
+        check = SequenceCheck()
+        try:
+            while True:
+                await self._drain(index, source, check, conn)
+                await asyncio.sleep(0)  # a flooding publisher must not hold the event loop
+        except zmtp.ZmtpError as exc:
+            self._lost(index, source, exc)
+        finally:
+            source.connected = False
+            conn.close()
 
-    def expire(self, now: float) -> None:
-        """Drop the sent blocks the worker has not reported by their deadline."""
-        while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, hashes = self._deadlines.popleft()
-            late = [h for h in hashes if self._pending.get(h) == deadline]  # not sent again
-            for h in late:
-                del self._pending[h]
-            stale = [h for h in late if h not in self._counts]
-            if stale:
-                self.expired += len(stale)
-                self.index.remove(self.key, stale)
+    async def _drain(self, index: int, source: Source, check: SequenceCheck,
+                     sock: zmtp.ZmtpConnection) -> None:
+        """Apply the batches already queued (up to ``drain_batches`` or ``drain_bytes``) in one
+        wake-up: under load a wait per batch cost more than the batch. Waits for the first; a
+        lost connection raises ``ZmtpError`` once the batches that came before it are applied."""
+        size = 0
+        for _ in range(self.limits.drain_batches):
+            frames = await sock.recv_multipart()
+            size += sum(map(len, frames))
+            await self._handle(index, source, check, frames)
+            if size >= self.limits.drain_bytes or not sock.ready():
+                return
 
-    def _hold(self, hashes: Iterable[int]) -> None:
-        hashes = list(hashes)
-        for h in hashes:
-            self._counts[h] = self._counts.get(h, 0) + 1
-        if self._pending:
-            for h in hashes:
-                self._pending.pop(h, None)  # reported: the events own it from now on
-        if hashes:
-            self.index.insert(self.key, hashes)  # also refreshes the index's LRU order
+    def _lost(self, index: int, source: Source, reason: Exception) -> None:
+        """The connection ended (the worker died or restarted, the network dropped, or it broke
+        the protocol or a bound): forget its pages; the next session reads like a late join."""
+        source.connected = False
+        source.disconnects += 1
+        source.last_seq = None
+        self.truth.reset(index)
+        _warn(source, "disconnected", "kv events %s: connection lost (%s); forgetting this "
+              "publisher's pages until it is back", source.endpoint, reason)
 
-    def _release(self, hashes: Iterable[int]) -> None:
-        gone = []
-        for h in hashes:
-            left = self._counts.get(h, 0) - 1
-            if left > 0:
-                self._counts[h] = left
-            else:
-                self._counts.pop(h, None)
-                gone.append(h)
-        if gone:
-            self.index.remove(self.key, gone)
+    async def _handle(self, index: int, source: Source, check: SequenceCheck,
+                      frames: list[bytes]) -> None:
+        try:
+            if len(frames) != 3:
+                raise ProtocolError(f"{len(frames)} frames, expected topic, sequence, payload")
+            seq = seq_from(frames[1])
+        except ProtocolError as exc:
+            # Not a batch at all: nothing in sequence was lost by it, so the sequence state and
+            # the pages stay; if it hid a real batch, the next one shows the gap.
+            source.malformed += 1
+            _warn(source, "malformed", "kv events %s: malformed message dropped: %s",
+                       source.endpoint, exc)
+            return
+        kind = check.classify(seq)
+        if kind == "restart":
+            source.restarts += 1
+            _warn(source, "restart", "kv events %s: publisher restarted (seq %d after %s); "
+                       "forgetting its pages", source.endpoint, seq, source.last_seq)
+            self.truth.reset(index)
+        elif kind == "gap" or (kind == "first" and seq > 0):
+            start = check.expected if kind == "gap" else 0
+            assert start is not None
+            filled = await self._replay(index, source, start, seq)
+            if kind == "gap" and not filled:
+                source.gaps += 1
+                _warn(source, "gap", "kv events %s: batches %d..%d lost%s; forgetting this "
+                           "publisher's pages", source.endpoint, start, seq - 1,
+                           "" if source.replay is None else " and not replayed")
+                self.truth.reset(index)
+            elif kind == "first" and not filled:
+                _warn(source, "joined", "kv events %s: joined at seq %d; pages stored "
+                           "earlier stay unknown", source.endpoint, seq, level=logging.INFO)
+        await self._apply(index, source, seq, frames[2])
+        check.accept(seq)
 
-    def blocks(self) -> int:
-        return len(self._counts)
+    async def _apply(self, index: int, source: Source, seq: int, payload: bytes) -> None:
+        """Decode and apply one batch. A payload over ``DECODE_INLINE_BYTES`` is decoded on a
+        worker thread, and a batch of more than ``APPLY_SLICE`` events applied in slices with a
+        yield between them (4 MiB of 1-token events held the loop ~0.5 s)."""
+        try:
+            batch = (decode_batch(payload) if len(payload) <= DECODE_INLINE_BYTES
+                     else await asyncio.to_thread(decode_batch, payload))
+        except ProtocolError as exc:
+            source.malformed += 1
+            _warn(source, "undecodable", "kv events %s: undecodable batch %d: %s; "
+                       "forgetting this publisher's pages", source.endpoint, seq, exc)
+            self.truth.reset(index)  # its stores and removals are lost: nothing stale stays
+            source.last_seq = seq
+            return
+        events = batch.events
+        if len(events) <= APPLY_SLICE:
+            self.truth.apply(index, batch)
+        else:
+            for start in range(0, len(events), APPLY_SLICE):
+                if start:
+                    await asyncio.sleep(0)
+                self.truth.apply(index, dataclasses.replace(
+                    batch, events=events[start:start + APPLY_SLICE]), first_part=not start)
+        source.last_seq = seq
+        source.last_batch_at = time.time()
+
+    async def _replay(self, index: int, source: Source, start: int, stop: int) -> bool:
+        """Apply batches ``start``..``stop - 1`` from the replay socket; False if there is none,
+        if it fell short, within ``replay_timeout_s`` of a failed one, or while the last
+        replay's bytes are still being paid for at ``replay_bytes_per_s`` (a publisher that
+        gaps on every batch must not cost a replay each). Yields every ``drain_batches``
+        batches or ``drain_bytes`` bytes, as the live reader does."""
+        if source.replay is None or time.monotonic() < self._replay_after[index]:
+            return False
+        try:
+            got = await fetch_replay(source.replay, start, stop, self.limits)
+        except ReplayError as exc:
+            source.replay_failures += 1
+            self._replay_after[index] = time.monotonic() + self.limits.replay_timeout_s
+            _warn(source, "replay", "kv events %s: replay failed: %s", source.replay, exc)
+            return False
+        if start > 0 and len(got) != stop - start:  # keys are unique and in range
+            source.replay_failures += 1
+            return False
+        total = since = 0
+        for i, seq in enumerate(sorted(got)):
+            await self._apply(index, source, seq, got[seq])
+            total += len(got[seq])
+            since += len(got[seq])
+            if since >= self.limits.drain_bytes or (i + 1) % self.limits.drain_batches == 0:
+                since = 0
+                await asyncio.sleep(0)
+        self._replay_after[index] = time.monotonic() + total / self.limits.replay_bytes_per_s
+        source.replays += 1  # counted once applied: a status reader sees its effect
+        return True
 
     def describe(self) -> dict[str, Any]:
-        stats = [dataclasses.asdict(c.stats) for c in self.chains]
-        total = {k: sum(s[k] for s in stats) for k in stats[0]}
-        return {"router_blocks": self.blocks(), "worker_pages": sum(len(c) for c in self.chains),
-                "worker_tokens": self.tokens(),
-                "pending_blocks": len(self._pending), "expired_pending_blocks": self.expired,
-                "batches": self.batches, "cleared": self.cleared, "resets": self.resets,
-                "overflows": self.overflows, **total}
+        return {"cache_truth": "kv-events", "worker_page_size": self.page_size,
+                "sources": [s.describe() for s in self.sources], **self.truth.describe()}
 
 
-class SequenceCheck:
-    """Classifies one publisher's sequence numbers (0, 1, 2, ... from its start)."""
+class CacheTruth:
+    """Which workers' indexes follow KV events, and their subscriptions.
 
-    def __init__(self) -> None:
-        self.expected: int | None = None
+    Bounds per worker: ``max_pages`` per publisher (past it that publisher's view is reset),
+    ``max_tokens`` over all its publishers (past it the oldest stores are forgotten first),
+    ``max_page_tokens`` per page (longer pages are refused) and ``limits`` per publisher
+    (``KvLimits``). ``on_failure`` hears ``"kv-events"`` each time a reader fails."""
 
-    def classify(self, seq: int) -> str:
-        """'first', 'ok', 'gap' (batches were lost) or 'restart' (the publisher began anew)."""
-        if self.expected is None:
-            return "first"
-        if seq == self.expected:
-            return "ok"
-        return "gap" if seq > self.expected else "restart"
+    def __init__(self, mode: str, block_size: int, indexes: dict[Role, PrefixIndex],
+                 fetch_json: FetchJson, explicit: dict[str, list[str]] | None = None,
+                 max_ranks: int = 64, max_pages: int = 1 << 22, *,
+                 max_tokens: int = DEFAULT_MAX_TOKENS,
+                 max_page_tokens: int = DEFAULT_MAX_PAGE_TOKENS,
+                 limits: KvLimits | None = None, on_failure: FailureHook | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown cache truth {mode!r}: {' or '.join(MODES)}")
+        self.mode = mode
+        self.block_size = block_size
+        self.indexes = indexes
+        self.fetch_json = fetch_json
+        self.explicit = explicit or {}
+        self.max_ranks = max_ranks
+        self.max_pages = max_pages
+        self.max_tokens = max_tokens
+        self.max_page_tokens = max_page_tokens
+        self.limits = limits or KvLimits()
+        self.on_failure = on_failure
+        self.subs: WorkerSubscriptions[WorkerSubscription] = WorkerSubscriptions(mode)
 
-    def accept(self, seq: int) -> None:
-        self.expected = seq + 1
+    @property
+    def enabled(self) -> bool:
+        return self.mode == "kv-events"
+
+    def follows(self, worker: Worker) -> bool:
+        """True if events, not routing, fill this worker's index."""
+        return worker.url in self.subs
+
+    def label(self, worker: Worker) -> str:
+        return "kv-events" if worker.url in self.subs else "router"
+
+    async def attach(self, worker: Worker) -> None:
+        """Subscribe to ``worker``'s events (kv-events mode); else keep the router's index."""
+        if not self.enabled or worker.url in self.subs:
+            return
+        try:
+            if worker.url in self.explicit:
+                sources = [Source(e) for e in self.explicit[worker.url]]
+                page_size = None
+            else:
+                info = await self.fetch_json(worker, "/server_info", 10.0)
+                sources, page_size = sources_from_server_info(info, worker.host, self.max_ranks)
+            if worker.url in self.subs:  # attached meanwhile
+                return
+        except Exception as exc:  # noqa: BLE001 - a bad publisher never stops the router
+            if not isinstance(exc, NoEvents):
+                exc = NoEvents(f"unusable /server_info: {exc.__class__.__name__}: {exc}")
+            self.subs.refuse(worker.url, str(exc),
+                             "cache truth: %s: %s; using the router's own index for it")
+            return
+        index = self.indexes[worker.role]
+        index.clear(worker.url)  # from now on only the worker's events fill it
+        truth = WorkerCacheTruth(worker.url, index, self.block_size, len(sources),
+                                 self.max_pages, max_tokens=self.max_tokens,
+                                 max_page_tokens=self.max_page_tokens)
+        self.subs.add(worker.url, WorkerSubscription(worker, truth, sources, page_size,
+                                                     self.limits,
+                                                     self.on_failure))
+        log.info("cache truth: %s follows KV events from %s (worker page %s, router block %d)",
+                 worker.url, ", ".join(s.endpoint for s in sources), page_size or "?",
+                 self.block_size)
+
+    def detach(self, worker: Worker) -> None:
+        """Stop following ``worker`` now: its tasks apply nothing more (they close on their own)."""
+        self.subs.detach(worker.url)
+
+    def expect(self, worker: Worker, hashes: Sequence[int]) -> None:
+        """A prompt was sent to ``worker``: its blocks count as held there until the worker's
+        events report them or a deadline passes (events come only once the prefill is done)."""
+        sub = self.subs.get(worker.url)
+        if sub is not None:
+            sub.truth.expect(hashes, time.monotonic())
+
+    def forget(self, worker: Worker) -> None:
+        """The worker's cache may be gone (re-admitted, flushed): drop what its events said."""
+        sub = self.subs.get(worker.url)
+        if sub is not None:
+            sub.truth.reset()
+
+    async def close(self) -> None:
+        await self.subs.close()
+
+    def describe(self) -> dict[str, Any]:
+        return self.subs.describe_workers("cache_truth", "router")
+
+
+def parse_endpoint_overrides(entries: list[str]) -> dict[str, list[str]]:
+    """``URL=tcp://HOST:PORT`` entries (repeat a URL for its DP ranks, in rank order)."""
+    from omniinfer.kv_events import split_tcp
+    from omniinfer.proxy.workers import normalize_url
+
+    out: dict[str, list[str]] = {}
+    for entry in entries:
+        url, sep, endpoint = entry.rpartition("=")
+        if not sep or not url:
+            raise ValueError(f"--kv-events-endpoint takes WORKER_URL=tcp://HOST:PORT, got {entry!r}")
+        split_tcp(endpoint)
+        out.setdefault(normalize_url(url), []).append(endpoint)
+    return out

@@ -189,7 +189,7 @@ class RouterConfig:
         if self.kv_events_endpoints:
             if self.cache_truth != "kv-events":
                 raise ValueError("--kv-events-endpoint needs --cache-truth kv-events")
-            from omniinfer.proxy.kv_subscriber import parse_endpoint_overrides
+            from omniinfer.proxy.cache_truth import parse_endpoint_overrides
 
             parse_endpoint_overrides(self.kv_events_endpoints)
 

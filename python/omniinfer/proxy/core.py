@@ -28,13 +28,13 @@ import orjson
 from omniinfer.proxy import discovery
 from omniinfer.proxy.admission import Admission, RateLimit
 from omniinfer.proxy.base import Policy, PolicyContext, create_policy
+from omniinfer.proxy.cache_truth import CacheTruth, KvLimits, parse_endpoint_overrides
 from omniinfer.proxy.circuit import CircuitBreaker
 from omniinfer.proxy.config import DEFAULT_REQUEST_ID_HEADERS, RouterConfig
 from omniinfer.proxy.control import IDENTITY, control_cap, read_capped, supervise
 from omniinfer.proxy.dp import learn_dp_size
 from omniinfer.proxy.drain import Drain
 from omniinfer.proxy.http1 import Http1Pool
-from omniinfer.proxy.kv_subscriber import CacheTruth, KvLimits, parse_endpoint_overrides
 from omniinfer.proxy.listener import Listener
 from omniinfer.proxy.load_feed import LoadFeeds
 from omniinfer.proxy.metrics import AccessLog, ProxyMetrics

@@ -4,7 +4,7 @@
 advertises, trusting it no further than needed. ``KvLimits`` bounds what one publisher can make
 the router hold or do: message size, queued messages, work per event-loop wake-up, and each
 replay (deadline, entries, bytes). ``fetch_replay`` asks a replay socket for a range of batches
-within those bounds. Used by ``kv_subscriber.py``; no state of its own.
+within those bounds. Used by ``cache_truth.py``; no state of its own.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The hash of block i covers block i *and* everything before it, so one hash names
 path — a set of such hashes per worker is an approximate radix tree of what that worker has
 cached. Only full blocks are hashed (a partial tail block is never reused by a paged cache).
 Each worker's set is an LRU bounded in blocks, standing in for the worker's own eviction —
-unless the worker's KV events drive it (``cache_truth.py``), which insert and remove exactly
+unless the worker's KV events drive it (``worker_cache_truth.py``), which insert and remove exactly
 what the worker stores and evicts.
 """
 

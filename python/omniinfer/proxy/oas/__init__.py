@@ -2,12 +2,12 @@
 
 - ``cost``: the per-instance batch-time model learned online and the predicted TTFT of a request
   on an instance (pure).
-- ``deferral``: the queue that holds requests in the router and releases each to its best
+- ``deferred_queue``: the queue that holds requests in the router and releases each to its best
   instance just before that instance's next batch, with its bound and work-conserving rules
   (pure).
-- ``deferring``: the asyncio glue every deferring policy shares (prefill queue pumping, decode
+- ``deferred_policy``: the asyncio glue every deferring policy shares (prefill queue pumping, decode
   longest-first placement under a running cap).
-- ``policy``: ``oas`` and its ablations and variants; ``upstream``: OmniInfer's shipped rules
+- ``policy``: ``oas`` and its ablations and variants; ``shipped``: OmniInfer's shipped rules
   ``omni_default`` and ``omni_earliest_batch``.
 
 Every policy here registers itself with ``omniinfer.proxy.base.register_policy`` on import.

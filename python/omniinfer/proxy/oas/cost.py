@@ -12,7 +12,7 @@ request was sent if the instance was idle.
 
 The instance's own report (nothing waiting) grants a *credit* of one batch of tokens that may be
 sent regardless of the predicted queue, so a wrong model cannot leave an instance without work
-while requests wait in the router (see ``deferral``).
+while requests wait in the router (see ``deferred_queue``).
 
 Predicted TTFT of a request on an instance = the time until the instance has worked off what is
 already sent to it (queue) + the batch time of the request's *uncached* tokens + the KV

@@ -9,7 +9,7 @@ its next predicted batch boundary. The order adapts to the load (``load_adaptive
 objective, shortest first from then until the queue is calm again (a twentieth), and in both
 those that can still meet the objective before those that no longer can; without an objective,
 short and old first. None waits more than one predicted cycle plus ``--oas-hold-bound-cycles``
-(32) cycles (``deferral``). ``oas_aged`` is the former order: short and old first always, bound 8.
+(32) cycles (``deferred_queue``). ``oas_aged`` is the former order: short and old first always, bound 8.
 
 The release is work-conserving: an instance is *short of work*, whatever the model predicts,
 while less than two batches of tokens sent to it are not back, or when its own load report shows
@@ -44,7 +44,8 @@ from typing import Any, ClassVar
 
 from omniinfer.proxy.base import RouteRequest, register_policy
 from omniinfer.proxy.oas.cost import InstanceClock, TransferModel, predicted_ttft
-from omniinfer.proxy.oas.deferral import (
+from omniinfer.proxy.oas.deferred_policy import DeferringPolicy
+from omniinfer.proxy.oas.deferred_queue import (
     DeferralOptions,
     DeferredQueue,
     Instance,
@@ -54,7 +55,6 @@ from omniinfer.proxy.oas.deferral import (
     slo_first,
     slo_sacrifice,
 )
-from omniinfer.proxy.oas.deferring import DeferringPolicy
 from omniinfer.proxy.workers import Role, Worker
 
 

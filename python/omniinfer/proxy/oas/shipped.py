@@ -19,14 +19,14 @@ from typing import Any, ClassVar
 
 from omniinfer.proxy.base import register_policy
 from omniinfer.proxy.oas.cost import InstanceClock
-from omniinfer.proxy.oas.deferral import (
+from omniinfer.proxy.oas.deferred_policy import DeferringPolicy
+from omniinfer.proxy.oas.deferred_queue import (
     DeferralOptions,
     DeferredQueue,
     Instance,
     Waiting,
     get_order,
 )
-from omniinfer.proxy.oas.deferring import DeferringPolicy
 
 MAX_BATCH_TOKENS = 32000  # upstream thresholds of an overloaded prefill instance
 MAX_RUNNING = 32

@@ -20,7 +20,7 @@ from typing import Any
 
 from omniinfer.proxy.base import Decision, Policy, PolicyContext, RouteRequest
 from omniinfer.proxy.oas.cost import BatchTimeModel, InstanceClock
-from omniinfer.proxy.oas.deferral import DeferredQueue, Instance, Release, Waiting
+from omniinfer.proxy.oas.deferred_queue import DeferredQueue, Instance, Release, Waiting
 from omniinfer.proxy.workers import Role, Worker
 
 
