@@ -22,6 +22,12 @@ What :func:`check` proves, per :class:`Kind`:
 - ``SOURCE``: the owner is a module that the plugin reads as a file without importing its
   package (:func:`source_file`); the file exists and defines a top-level function ``name`` with
   ``params`` in that order.
+- ``FIELD``: ``name`` is a field of the record ``owner`` (``ServerArgs``, a msgspec Struct in
+  0.5.23; a dataclass before): the launcher writes
+  it on the parsed namespace, and ``ServerArgs.from_cli_args`` silently drops a name that is no
+  field. :func:`check_launch` runs these (and ``ENV``) in the launcher, before any process starts.
+- ``ENV``: ``name`` is an environment variable the plugin sets or reads, and the source file of
+  the module ``owner`` (where SGLang reads it) still names it.
 
 This module imports no SGLang at import time.
 """
@@ -29,13 +35,14 @@ This module imports no SGLang at import time.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import enum
 import importlib.util
 import inspect
 import pkgutil
+import re
 import textwrap
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -51,13 +58,15 @@ class Kind(enum.Enum):
     ATTRIBUTE = "attribute"
     INSTANCE = "instance"
     SOURCE = "source"
+    FIELD = "field"
+    ENV = "environment variable"
 
 
 class SGLangInternalsError(RuntimeError):
     """Declared private SGLang names did not resolve in the installed SGLang."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Internal:
     """One private SGLang name: ``owner`` (dotted path of a class, function or module),
     ``name`` (attribute, method or top-level function), why the plugin needs it, the feature
@@ -206,12 +215,60 @@ RADIX_INTERNALS: tuple[Internal, ...] = (
                 "component_protected_size_", "component_evictable_size_")),
 )
 
+_SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+_F = Kind.FIELD
+SERVER_ARGS_FIELDS = (
+    Internal(_SERVER_ARGS, "sleep_on_idle", "cpu.server_defaults sets it (an idle CPU "
+             "scheduler spins without it)", CPU, _F),
+    Internal(_SERVER_ARGS, "disaggregation_transfer_backend", "cpu.server_defaults: Mooncake "
+             "over TCP on a CPU", CPU, _F),
+    Internal(_SERVER_ARGS, "disaggregation_decode_retraction_backup", "cpu.server_defaults: "
+             "retraction backups in CPU tensors", CPU, _F),
+    Internal(_SERVER_ARGS, "enable_eplb", "--enable-omni-placement runs on EPLB's plumbing",
+             PLACEMENT, _F),
+    Internal(_SERVER_ARGS, "init_expert_location", "--omni-placement-plan: the first layout",
+             PLACEMENT, _F),
+    Internal(_SERVER_ARGS, "ep_size", "--enable-omni-placement needs expert parallelism",
+             PLACEMENT, _F),
+    Internal(_SERVER_ARGS, "model_path", "the pattern is checked against the model's config",
+             OMNI_ATTN, _F),
+    Internal(_SERVER_ARGS, "json_model_override_args", "the pattern's layers become SWA layers",
+             OMNI_ATTN, _F),
+    Internal(_SERVER_ARGS, "swa_full_tokens_ratio", "the SWA pool's share under a pattern",
+             OMNI_ATTN, _F),
+    Internal(_SERVER_ARGS, "radix_cache_backend", "the sink rules need the Python radix core",
+             OMNI_ATTN, _F),
+    Internal(_SERVER_ARGS, "max_total_tokens", "/omni_attn/status reports the KV pool", CORE,
+             _F),
+)
+_E = Kind.ENV
+ENVIRONMENT = (
+    Internal("sglang.srt.environ", "SGLANG_SWA_EVICTION_INTERVAL", "omni_attn.plugin sets how "
+             "often out-of-window tokens are freed", OMNI_ATTN, _E),
+    Internal("sglang.srt.environ", "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX",
+             "cpu.server_defaults turns early sends off on a CPU", CPU, _E),
+    Internal("sglang.srt.utils.network", "SGLANG_HOST_IP", "cpu.server_defaults: the address "
+             "the transfer engine advertises", CPU, _E),
+    Internal("sglang.srt.platforms.__init__", "SGLANG_USE_CPU_ENGINE", "selects SGLang's CPU "
+             "engine (launch.py sets it)", CPU, _E),
+    Internal("sglang.srt.utils.common", "SGLANG_CPU_OMP_THREADS_BIND", "launch.py binds the "
+             "CPU engine's OpenMP threads", CPU, _E),
+)
+_METADATA = "sglang.srt.eplb.expert_location.ExpertLocationMetadata"
+KEYWORDS = (
+    Internal(_METADATA, "init_by_mapping", "placement.runtime builds the new layout's metadata "
+             "(passes moe_ep_rank= by name)", PLACEMENT, params=("moe_ep_rank",)),
+    Internal(_METADATA, "update", "placement.runtime switches the layout layer by layer "
+             "(passes update_layer_ids= by name)", PLACEMENT, params=("update_layer_ids",)),
+)
+
 DECLARED: tuple[Internal, ...] = (
     HOOK_REGISTRY_PATCHED, EPLB_GET_MODEL, EPLB_MODEL_CONFIG, STAT_ACCUMULATOR_APPEND,
     DEEPSEEK_REBALANCE, GROUP_COORDINATOR_INIT, DP_CONTROLLER_EVENT_LOOP, DP_CONTROLLER_RECEIVER,
     SEND_KV_CHUNK, SEND_KV_METADATA,
     ESTIMATE_SWA_TOKENS, SWA_REQUEST_CAP,
     *POOL_CONFIGURATOR_FIELDS, TRITON_SET_KV_BUFFER, *RADIX_INTERNALS,
+    *SERVER_ARGS_FIELDS, *ENVIRONMENT, *KEYWORDS,
 )
 
 
@@ -291,10 +348,35 @@ def _source_problem(decl: Internal) -> str | None:
     return f"no top-level function {decl.name}"
 
 
+def _named_in_source(decl: Internal) -> str | None:
+    try:
+        text = source_file(decl).read_text()
+    except OSError as exc:
+        return str(exc)
+    return None if re.search(rf"\b{re.escape(decl.name)}\b", text) else "no longer read there"
+
+
+def _record_fields(owner: Any) -> frozenset[str] | None:
+    """The fields ``ServerArgs.from_cli_args`` keeps (it reads them the same way: a msgspec
+    Struct's, else a dataclass's); None for another kind of class."""
+    try:
+        import msgspec
+
+        if isinstance(owner, type) and issubclass(owner, msgspec.Struct):
+            return frozenset(f.name for f in msgspec.structs.fields(owner))
+    except ImportError:
+        pass
+    if dataclasses.is_dataclass(owner):
+        return frozenset(f.name for f in dataclasses.fields(owner))
+    return None
+
+
 def problem(decl: Internal) -> str | None:
     """Why ``decl`` does not hold in the installed SGLang; None when it does."""
     if decl.kind is Kind.SOURCE:
         return _source_problem(decl)
+    if decl.kind is Kind.ENV:
+        return _named_in_source(decl)
     try:
         owner = pkgutil.resolve_name(decl.owner)
     except (ImportError, AttributeError, ValueError) as exc:
@@ -303,6 +385,11 @@ def problem(decl: Internal) -> str | None:
         if not isinstance(owner, type):
             return "owner is not a class"
         return None if _assigned_on_self(owner, decl.name) else "never assigned on self"
+    if decl.kind is Kind.FIELD:
+        fields = _record_fields(owner)
+        if fields is None:
+            return "owner is neither a msgspec Struct nor a dataclass"
+        return None if decl.name in fields else "no such field (a value set there is dropped)"
     if not hasattr(owner, decl.name):
         return "no such attribute"
     if not decl.params:
@@ -335,6 +422,12 @@ def check(features: Collection[str] | None = None,
             "in this SGLang version, so the behaviour that needs them would break:\n"
             + "\n".join(lines)
         )
+
+
+def check_launch(features: Collection[str]) -> None:
+    """The launcher's check (before any process starts): the ``ServerArgs`` fields it writes
+    and the environment variables it sets, of ``features``."""
+    check(features, [d for d in DECLARED if d.kind in (Kind.FIELD, Kind.ENV)])
 
 
 # ---------------------------------------------------------------- use

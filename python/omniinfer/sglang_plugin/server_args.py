@@ -30,6 +30,7 @@ def _before_from_cli_args(*args: Any, **kwargs: Any) -> None:
         return None
     try:
         config = OmniConfig.from_namespace(namespace)
+        _check_surface(config)
         if config.enable_omni_placement:
             _prepare_placement(namespace, config)
         if config.omni_attn_pattern is not None:
@@ -48,6 +49,21 @@ def _before_from_cli_args(*args: Any, **kwargs: Any) -> None:
 
     register_routes()
     return None
+
+
+def _check_surface(config: OmniConfig) -> None:
+    """The ServerArgs fields and environment variables the switched-on features write, checked
+    against the installed SGLang before they are written (a renamed field would be dropped)."""
+    from omniinfer.cpu.detect import cpu_engine_active
+    from omniinfer.sglang_plugin import internals
+
+    features = internals.start_up_features(
+        placement=config.enable_omni_placement, omni_attn=config.omni_attn_pattern is not None,
+        cpu_engine=cpu_engine_active())
+    try:
+        internals.check_launch(features)
+    except internals.SGLangInternalsError as exc:
+        raise OmniFlagError(str(exc).replace("\n", " ")) from None
 
 
 def _cpu_defaults(namespace: argparse.Namespace, config: OmniConfig) -> None:
