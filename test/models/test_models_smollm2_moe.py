@@ -10,7 +10,7 @@ import pytest
 
 from omniinfer.models.smollm2_moe import moe_config, router_weight, widen, widened_shape
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DENSE = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 MOE = ROOT / ".cache" / "models" / "SmolLM2-135M-MoE"
 
