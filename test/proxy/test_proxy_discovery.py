@@ -38,6 +38,15 @@ async def _health_server(host: str, port: int) -> TestServer:
     return server
 
 
+async def _fake_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeKubeApi:
+    """A started FakeKubeApi that the client's kubeconfig names (not in a pod)."""
+    fake = FakeKubeApi()
+    await fake.start()
+    monkeypatch.setenv("KUBECONFIG", str(fake.kubeconfig(tmp_path / "kubeconfig")))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    return fake
+
+
 async def _within(check: Any, seconds: float = 2.0) -> bool:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
@@ -51,10 +60,7 @@ async def _within(check: Any, seconds: float = 2.0) -> bool:
 def test_pods_join_and_leave_within_two_seconds(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     async def run() -> None:
-        fake = FakeKubeApi()
-        await fake.start()
-        monkeypatch.setenv("KUBECONFIG", str(fake.kubeconfig(tmp_path / "kubeconfig")))
-        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        fake = await _fake_api(tmp_path, monkeypatch)
         port = free_port()
         workers = [await _health_server(f"127.0.0.{i}", port) for i in (2, 3, 4, 5)]
         config = RouterConfig(pd_disaggregation=True, service_discovery=True,
@@ -101,10 +107,7 @@ def test_pods_join_and_leave_within_two_seconds(tmp_path: Path,
 def test_a_ready_pod_whose_server_is_not_up_yet_joins_when_it_answers(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     async def run() -> None:
-        fake = FakeKubeApi()
-        await fake.start()
-        monkeypatch.setenv("KUBECONFIG", str(fake.kubeconfig(tmp_path / "kubeconfig")))
-        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        fake = await _fake_api(tmp_path, monkeypatch)
         port = free_port()
         config = RouterConfig(service_discovery=True, selector=["app=sglang"],
                               service_discovery_port=port, host="127.0.0.1", port=free_port(),
