@@ -159,6 +159,18 @@ def test_the_python_tree_core_runs_the_sink_component() -> None:
     assert radix.describe(tree.cache)["sink_rules"] is True
 
 
+def test_a_cache_on_another_tree_core_is_refused() -> None:
+    tree = Tree()
+    radix.require_python_core(tree.cache)  # the real cache passes
+
+    class RustLike:  # stands for the Rust core: not SGLang's Python UnifiedTreeCore
+        pass
+
+    tree.cache.tree_core = RustLike()
+    with pytest.raises(RuntimeError, match="Python radix tree core.*RustLike"):
+        radix.require_python_core(tree.cache)
+
+
 def test_insert_keeps_the_sink_live_and_owned() -> None:
     tree = Tree()
     tokens = list(range(100, 160))

@@ -254,6 +254,10 @@ ENVIRONMENT = (
     Internal("sglang.srt.utils.common", "SGLANG_CPU_OMP_THREADS_BIND", "launch.py binds the "
              "CPU engine's OpenMP threads", CPU, _E),
 )
+RADIX_TREE_CORE = Internal(
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache", "tree_core",
+    "omni_attn.radix asserts the Python tree core at cache creation (the Rust core would "
+    "bypass every sink rule)", OMNI_ATTN, Kind.INSTANCE)
 _METADATA = "sglang.srt.eplb.expert_location.ExpertLocationMetadata"
 KEYWORDS = (
     Internal(_METADATA, "init_by_mapping", "placement.runtime builds the new layout's metadata "
@@ -268,7 +272,7 @@ DECLARED: tuple[Internal, ...] = (
     SEND_KV_CHUNK, SEND_KV_METADATA,
     ESTIMATE_SWA_TOKENS, SWA_REQUEST_CAP,
     *POOL_CONFIGURATOR_FIELDS, TRITON_SET_KV_BUFFER, *RADIX_INTERNALS,
-    *SERVER_ARGS_FIELDS, *ENVIRONMENT, *KEYWORDS,
+    *SERVER_ARGS_FIELDS, *ENVIRONMENT, *KEYWORDS, RADIX_TREE_CORE,
 )
 
 

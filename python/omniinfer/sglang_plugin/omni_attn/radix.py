@@ -382,7 +382,24 @@ def factory(ctx: Any) -> Any:
         **(params.component_registry_override or {}),
         **component_overrides(),
     }
-    return create_unified_radix_cache(ctx)
+    cache = create_unified_radix_cache(ctx)
+    require_python_core(cache)
+    return cache
+
+
+def require_python_core(cache: Any) -> None:
+    """RuntimeError unless ``cache`` runs SGLang's Python tree core, the one that calls the
+    component methods the sink rules override (the Rust core would bypass every one of them)."""
+    from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
+
+    from omniinfer.sglang_plugin.internals import RADIX_TREE_CORE
+
+    core = getattr(cache, RADIX_TREE_CORE.name, None)
+    if not isinstance(core, UnifiedTreeCore):
+        raise RuntimeError(
+            f"omniinfer: --omni-attn-pattern needs SGLang's Python radix tree core, but the "
+            f"cache runs {type(core).__name__}: the sink rules would be bypassed. Unset "
+            f"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND (or set it to python)")
 
 
 def register_backend() -> None:
