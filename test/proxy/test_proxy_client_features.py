@@ -147,3 +147,33 @@ def test_rate_limit_answers_429_with_retry_after() -> None:
         assert json.loads(body)["error"]["type"] == "overloaded"
 
     asyncio.run(run())
+
+
+def test_every_answer_carries_the_id_and_a_bad_first_header_falls_through() -> None:
+    async def run() -> None:
+        dead = ScriptedWorker({"/generate": _generate})
+        async with router_for([dead]) as (base, serving), aiohttp.ClientSession() as session:
+            for worker in serving.router.pool.all():
+                worker.healthy = False  # no healthy worker: the router's own 503
+            status, headers, _ = await _post(session, base, {"X-Request-Id": "x" * 300,
+                                                             "X-Trace-Id": "second"})
+            assert status == 503 and headers["X-Request-Id"] == "second"
+
+    asyncio.run(run())
+
+
+def test_a_failing_tracer_costs_no_request() -> None:
+    async def run() -> None:
+        async with router_for([_worker()]) as (base, serving), aiohttp.ClientSession() as session:
+            class Broken:
+                def begin(self, *_: Any) -> Any:
+                    raise RuntimeError("exporter misconfigured")
+
+                def close(self) -> None:
+                    pass
+
+            serving.router.tracing = Broken()  # type: ignore[assignment]
+            status, _, _ = await _post(session, base)
+            assert status == 200 and serving.router.drain.in_flight == 0
+
+    asyncio.run(run())

@@ -167,3 +167,12 @@ def test_discovery_flags_are_checked(settings: dict[str, Any], message: str) -> 
     with pytest.raises(ValueError, match=message):
         RouterConfig(service_discovery=True, **settings).validate()
     assert parse_selector(["a=b", "c="], "--selector") == {"a": "b", "c": ""}
+
+
+def test_pd_lists_filter_server_side_by_the_shared_labels() -> None:
+    rules = DiscoveryRules(prefill_selector={"app": "sglang", "component": "prefill"},
+                           decode_selector={"app": "sglang", "component": "decode"}, pd=True)
+    assert rules.label_selector() == "app=sglang"
+    assert DiscoveryRules(prefill_selector={"a": "1"}, decode_selector={"b": "2"},
+                          pd=True).label_selector() is None
+    assert DiscoveryRules(selector={"x": "y", "a": "b"}).label_selector() == "a=b,x=y"

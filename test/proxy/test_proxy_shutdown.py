@@ -164,3 +164,34 @@ def test_sigterm_during_50_streams_ends_each_with_done_or_one_error(tmp_path: Pa
             kinds.append(errors[0]["type"] if errors else "done")
         assert kinds[:10] == ["done"] * 10 and kinds[10:] == ["shutdown"] * 40
         assert "40 request(s) cut" in router.log_tail(200)
+
+
+def test_a_stream_cut_after_its_done_event_gets_no_second_answer() -> None:
+    """The worker sent [DONE] but keeps its stream open: the client has its whole answer, and a
+    shutdown cut must not write a 503 after it on the same connection."""
+    from router_inproc import raw_exchange
+
+    async def done_then_hang(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(b'data: {"text": "a", "meta_info": {"completion_tokens": 1}}\n\n'
+                        b"data: [DONE]\n\n")
+        await asyncio.sleep(3600)
+        return out
+
+    async def run() -> bytes:
+        async with router_for([ScriptedWorker({"/generate": done_then_hang})]) as (base, serving):
+            port = int(base.rsplit(":", 1)[1])
+            body = json.dumps({"text": "x", "stream": True}).encode()
+            head = (f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n").encode()
+            exchange = asyncio.create_task(raw_exchange(port, head + body, timeout=4.0))
+            while serving.router.drain.in_flight == 0:
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)
+            assert await serving.drain(0.2) == 1
+            return await exchange
+
+    raw = asyncio.run(run())
+    assert raw.count(b"HTTP/1.1 ") == 1 and b"HTTP/1.1 200" in raw, raw[:300]
+    assert b"data: [DONE]" in raw and b"shutdown" not in raw

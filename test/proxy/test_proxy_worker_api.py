@@ -5,6 +5,7 @@ fields that cannot be honoured refused, and the admin key rules. In process, scr
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from typing import Any
 
@@ -158,5 +159,48 @@ def test_worker_api_follows_the_admin_key_rules() -> None:
             async with s.post(base + "/workers", json={"url": "http://127.0.0.1:9"},
                               headers={"Authorization": "Bearer user-key"}) as resp:
                 assert resp.status == 403
+
+    asyncio.run(run())
+
+
+def test_large_chunked_bodies_bad_puts_and_failing_jobs() -> None:
+    async def run() -> None:
+        async with router_for([ScriptedWorker()]) as (base, serving), aiohttp.ClientSession() as s:
+            url = serving.router.pool.all()[0].url
+            wid = worker_id(url)
+            big = {"url": "http://127.0.0.1:9", "models": [f"m{i}-" + "x" * 240 for i in range(60)],
+                   "labels": {f"k{i}": "v" * 1000 for i in range(20)}}
+            payload = json.dumps(big).encode()
+            assert 30_000 < len(payload) < 64 * 1024
+
+            async def chunks() -> Any:
+                for i in range(0, len(payload), 4096):
+                    yield payload[i:i + 4096]
+
+            async with s.post(base + "/workers", data=chunks(),
+                              headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == 202, await resp.text()  # read whole, not one chunk
+            async with s.put(f"{base}/workers/{wid}", json={
+                    "url": url, "max_connection_attempts": 0}) as resp:
+                assert resp.status == 400
+            assert serving.router.pool.get(url) is not None  # a refused PUT removes nothing
+            async with s.post(base + "/workers", json={"url": "http://127.0.0.1:8",
+                                                       "models": 5}) as resp:
+                assert resp.status == 400 and "models" in (await resp.json())["error"]
+
+            async def broken(*_: Any) -> None:
+                raise RuntimeError("boom")
+
+            serving.router.add_worker = broken  # type: ignore[method-assign]
+            async with s.post(base + "/workers", json={"url": "http://127.0.0.1:7"}) as resp:
+                job_id = (await resp.json())["worker_id"]
+
+            async def failed() -> Any:
+                async with s.get(f"{base}/workers/{job_id}") as resp:
+                    data = await resp.json()
+                    return data if data.get("job_status") == "failed" else None
+
+            job = await _until(failed, 5.0)
+            assert job and "RuntimeError: boom" in job["error"]  # failed, not pending for ever
 
     asyncio.run(run())

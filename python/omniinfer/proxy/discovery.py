@@ -16,7 +16,9 @@ the command line or added through the admin API are never removed by discovery.
 Adding a worker runs its health check (``Router.add_worker``); one that fails is tried again
 on the next event or resync (every ``RESYNC_S``), so a pod that is Ready before its server
 answers still joins. The watch restarts from a fresh list every ``WATCH_S`` and after any error
-(backing off to ``MAX_BACKOFF_S``). At most ``MAX_PODS`` pods are tracked. ``worker_of`` is
+(backing off to ``MAX_BACKOFF_S``). At most ``MAX_PODS`` pods are tracked; a pod list is read
+up to ``MAX_LIST_BYTES`` (no pagination) and parsed off the event loop; in PD mode the list is
+filtered server-side by the labels both role selectors share, the rest here. ``worker_of`` is
 pure; ``Discovery`` owns the loop.
 """
 
@@ -31,6 +33,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from omniinfer.proxy.control import read_capped
 from omniinfer.proxy.workers import Role
 
 log = logging.getLogger("omniinfer.proxy")
@@ -39,7 +42,8 @@ RESYNC_S = 5.0
 WATCH_S = 300
 MAX_BACKOFF_S = 30.0
 MAX_PODS = 10_000
-MAX_LIST_BYTES = 256 << 20
+MAX_LIST_BYTES = 64 << 20  # one pod list, read whole and parsed off the event loop
+ADDS_AT_ONCE = 8  # health checks of new pods running together
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,11 +65,15 @@ class DiscoveryRules:
     pd: bool = False
 
     def label_selector(self) -> str | None:
-        """The server-side filter: the regular selector; in PD mode none (two selectors cannot
-        be OR-ed in one list call), the pods are filtered here."""
-        if self.pd or not self.selector:
-            return None
-        return ",".join(f"{k}={v}" for k, v in sorted(self.selector.items()))
+        """The server-side filter: the regular selector; in PD mode the labels both role
+        selectors share (two selectors cannot be OR-ed in one list call; the rest is filtered
+        here), none if they share none."""
+        if self.pd:
+            common = {k: v for k, v in self.prefill_selector.items()
+                      if self.decode_selector.get(k) == v}
+        else:
+            common = dict(self.selector)
+        return ",".join(f"{k}={v}" for k, v in sorted(common.items())) or None
 
 
 def parse_selector(pairs: Sequence[str] | None, flag: str) -> dict[str, str]:
@@ -141,11 +149,14 @@ class Discovery:
         self.rules, self.api = rules, api
         self._add, self._remove, self._present = add, remove, present
         self.pods: dict[str, Discovered] = {}  # pod key -> the worker it stands for
-        self.owned: set[str] = set()  # worker URLs this loop added
-        self._adding: set[str] = set()
+        self.owned: dict[str, Discovered] = {}  # workers this loop added, as they were added
+        self._adding: dict[str, asyncio.Future[None]] = {}
+        self._add_slots = asyncio.Semaphore(ADDS_AT_ONCE)
         self.changed = asyncio.Event()
 
     async def close(self) -> None:
+        for adding in list(self._adding.values()):
+            adding.cancel()
         await self.api.api_client.close()
 
     # ---- reconciliation ----------------------------------------------------------------------
@@ -166,24 +177,35 @@ class Discovery:
             self.apply("ADDED", pod)
 
     async def reconcile(self) -> None:
+        """Remove the owned workers whose pod is gone or changed (a reused IP with another role
+        or bootstrap port), then start adding the wanted ones, at most ``ADDS_AT_ONCE`` health
+        checks at a time; returns without waiting for them."""
         wanted = {d.url: d for d in self.pods.values()}
-        for url in sorted(self.owned - set(wanted)):
-            self.owned.discard(url)
+        for url, had in sorted(self.owned.items(), key=lambda kv: kv[0]):
+            if wanted.get(url) == had:
+                continue
+            del self.owned[url]
             if self._present(url):
-                log.info("discovery: removing worker %s (its pod is gone or not ready)", url)
+                log.info("discovery: removing worker %s (its pod is gone, not ready or "
+                         "changed)", url)
                 self._remove(url)
         for url, found in wanted.items():
             if url in self.owned or url in self._adding or self._present(url):
                 continue
-            self._adding.add(url)
-            try:
+            self._adding[url] = asyncio.ensure_future(self._add_one(url, found))
+
+    async def _add_one(self, url: str, found: Discovered) -> None:
+        try:
+            async with self._add_slots:
                 await self._add(url, found.role, found.bootstrap_port)
-                self.owned.add(url)
-                log.info("discovery: added %s worker %s", found.role.value, url)
-            except ValueError as exc:  # not healthy yet: the next event or resync retries
-                log.info("discovery: %s not added yet: %s", url, exc)
-            finally:
-                self._adding.discard(url)
+            self.owned[url] = found
+            log.info("discovery: added %s worker %s", found.role.value, url)
+        except ValueError as exc:  # not healthy yet: the next event or resync retries
+            log.info("discovery: %s not added yet: %s", url, exc)
+        except Exception:  # logged; the next reconciliation tries again
+            log.exception("discovery: adding %s failed", url)
+        finally:
+            self._adding.pop(url, None)
 
     async def reconcile_loop(self) -> None:
         while True:
@@ -213,12 +235,10 @@ class Discovery:
         try:
             if response.status != 200:
                 raise RuntimeError(f"pod list answered {response.status}")
-            body = await response.content.read(MAX_LIST_BYTES + 1)
+            body = await read_capped(response, MAX_LIST_BYTES)
         finally:
             response.release()
-        if len(body) > MAX_LIST_BYTES:
-            raise RuntimeError(f"pod list larger than {MAX_LIST_BYTES} bytes")
-        data = json.loads(body)
+        data = await asyncio.get_running_loop().run_in_executor(None, json.loads, body)
         items = data.get("items") if isinstance(data, dict) else None
         self.replace_all(items if isinstance(items, list) else [])
         meta = data.get("metadata") if isinstance(data, dict) else None

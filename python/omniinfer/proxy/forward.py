@@ -48,8 +48,8 @@ def _request_id(request: web.Request, names: Sequence[str]) -> str | None:
     """The client's request id: the first of ``names`` present, if a short printable value."""
     for name in names:
         value = request.headers.get(name)
-        if value is not None:
-            return _header_value(value)
+        if value is not None and (usable := _header_value(value)) is not None:
+            return usable
     return None
 
 
@@ -72,10 +72,14 @@ async def handle(router: Router, request: web.Request, endpoint: str) -> web.Str
         refused = _error(req, 503, "the router is shutting down", "unavailable", retry_after=1)
         refused.force_close()
         return refused
-    task = router.drain.enter()
     span = None
     if router.tracing is not None:
-        span, req.trace_lines = router.tracing.begin(endpoint, request.headers, req.request_id)
+        try:  # tracing never costs a request
+            span, req.trace_lines = router.tracing.begin(endpoint, request.headers,
+                                                         req.request_id)
+        except Exception as exc:
+            log.warning("trace span not started: %s", exc)
+    task = router.drain.enter()
     try:
         try:
             await _prepare(router, request, req)
@@ -91,9 +95,13 @@ async def handle(router: Router, request: web.Request, endpoint: str) -> web.Str
         strategy = (PD if router.pd else Regular)(router, request, req)
         response = await route(router, strategy)
         status = response.status
+        if not response.prepared:  # the router's own answers and passed-through ones too
+            for name, value in req.headers.items():
+                response.headers.setdefault(name, value)
         return response
     except (asyncio.CancelledError, ConnectionError) as exc:
-        if isinstance(exc, asyncio.CancelledError) and router.drain.take_cut():
+        if isinstance(exc, asyncio.CancelledError) and router.drain.take_cut() \
+                and not req.begun:
             status = 503  # cut by the shutdown before any byte was sent: one error answer
             req.error = req.error or "cut by the router's shutdown"
             return _error(req, 503, "the router shut down before the answer began",

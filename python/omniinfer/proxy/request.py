@@ -152,7 +152,7 @@ class Request:
                  "headers", "rids", "output_events", "tail", "client_rid", "status", "decisions",
                  "bootstrap_room", "worker_rids", "failures", "error", "output_tokens",
                  "reported_cached_tokens", "cache_prediction", "delivered", "request_id",
-                 "trace_lines")
+                 "trace_lines", "begun")
 
     body: dict[str, Any]  # as the client sent it (never the router's rids)
     route: RouteRequest  # what the policies see
@@ -161,6 +161,7 @@ class Request:
         self.id = request_id
         self.request_id = request_id  # the client's (--request-id-headers), else the router's
         self.trace_lines = b""  # traceparent header lines for the workers (--enable-trace)
+        self.begun = False  # a stream's head is being or was written: no other answer now
         self.endpoint = endpoint
         self.life = Lifecycle(request_id)
         self.prepared = False

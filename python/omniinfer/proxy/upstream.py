@@ -179,6 +179,7 @@ async def pipe(router: Router, request: web.Request, req: Request, resp: Respons
     idle = router.config.upstream_idle_timeout_secs
     tail = first
     try:
+        req.begun = True
         await out.prepare(request)
         req.life.token()
         req.output_events = first.count(b"data:")

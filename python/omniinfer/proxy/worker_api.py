@@ -78,13 +78,15 @@ async def read_args(router: Router, request: web.Request, query: bool = True) ->
     if request.can_read_body:
         if (request.content_length or 0) > MAX_ADMIN_BODY:
             raise ValueError(f"admin bodies are at most {MAX_ADMIN_BODY} bytes")
+        raw = bytearray()
         try:
             async with asyncio.timeout(router.config.client_body_timeout_secs):
-                raw = await request.content.read(MAX_ADMIN_BODY + 1)
+                while chunk := await request.content.readany():  # every chunk, to the end
+                    raw += chunk
+                    if len(raw) > MAX_ADMIN_BODY:
+                        raise ValueError(f"admin bodies are at most {MAX_ADMIN_BODY} bytes")
         except TimeoutError:
             raise ValueError("body not received in time") from None
-        if len(raw) > MAX_ADMIN_BODY:
-            raise ValueError(f"admin bodies are at most {MAX_ADMIN_BODY} bytes")
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -137,6 +139,10 @@ def _check_smg_spec(args: dict[str, Any]) -> None:
             isinstance(k, str) and isinstance(v, str) and len(k) <= 256 and len(v) <= 1024
             for k, v in labels.items()):
         raise ValueError("'labels' must be an object of at most 64 short strings")
+    models = args.get("models", [])
+    if not isinstance(models, list) or len(models) > 64 or not all(
+            isinstance(m, str) and len(m) <= 256 for m in models):
+        raise ValueError("'models' must be a list of at most 64 model names")
     for name in ("priority", "cost"):
         value = args.get(name, 0)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1e9:
@@ -154,15 +160,21 @@ class Registrations:
         job = self.jobs.get(wid)
         return job is not None and job["job_status"] == "pending"
 
-    def start(self, router: Router, wid: str, url: str, role: Role, port: int | None,
-              attempts: int, metadata: dict[str, Any]) -> None:
+    def room(self) -> None:
+        """ValueError when no further registration may start (``MAX_JOBS`` pending)."""
         if sum(j["job_status"] == "pending" for j in self.jobs.values()) >= MAX_JOBS:
             raise ValueError(f"at most {MAX_JOBS} registrations may be pending")
+
+    def start(self, router: Router, wid: str, url: str, role: Role, port: int | None,
+              attempts: int, metadata: dict[str, Any]) -> None:
+        self.room()
         self.jobs[wid] = {"id": wid, "url": url, "worker_type": role.value,
                           "job_status": "pending", "attempts": 0}
         self.jobs.move_to_end(wid)
-        while len(self.jobs) > MAX_JOBS:
-            self.jobs.popitem(last=False)
+        for old in [k for k, j in self.jobs.items() if j["job_status"] != "pending"]:
+            if len(self.jobs) <= MAX_JOBS:
+                break
+            del self.jobs[old]  # the oldest failed ones go; a pending one stays
         self.metadata[wid] = metadata
         router.spawn(self._register(router, wid, url, role, port, attempts),
                      "worker-registration")
@@ -181,6 +193,9 @@ class Registrations:
                     break
                 await asyncio.sleep(RETRY_S)
                 continue
+            except Exception as exc:  # anything else ends the job as failed, never pending
+                error = f"{type(exc).__name__}: {exc}"
+                break
             self.jobs.pop(wid, None)
             log.info("worker %s registered through POST /workers", url)
             return
@@ -265,12 +280,16 @@ def add_routes(app: web.Application, router: Router, expect: Any = None) -> None
         url, role, port = parse_spec(router, args)
         return args, url, role, port
 
-    def register(args: dict[str, Any], url: str, role: Role, port: int | None,
-                 status: str) -> web.Response:
-        wid = worker_id(url)
+    def attempts_of(args: dict[str, Any]) -> int:
         attempts = args.get("max_connection_attempts", 20)
         if not isinstance(attempts, int) or isinstance(attempts, bool) or not 1 <= attempts <= 120:
             raise ValueError("'max_connection_attempts' must be within [1, 120]")
+        return attempts
+
+    def register(args: dict[str, Any], url: str, role: Role, port: int | None,
+                 status: str) -> web.Response:
+        wid = worker_id(url)
+        attempts = attempts_of(args)
         registrations.start(router, wid, url, role, port, attempts,
                             {k: args[k] for k in METADATA if k in args})
         location = f"/workers/{wid}"
@@ -354,6 +373,8 @@ def add_routes(app: web.Application, router: Router, expect: Any = None) -> None
             args, url, role, port = await smg_spec(request)
             if worker is None or url != worker.url:
                 raise ValueError("URL mismatch: PUT keeps the worker's URL; use DELETE + POST")
+            attempts_of(args)  # every check before the worker is removed
+            registrations.room()
             router.remove_worker(worker.url)
             return register(args, url, role, port, "accepted")
         except ValueError as exc:
