@@ -10,6 +10,11 @@
 
 Every file is read at start-up; a missing or unreadable one is a usage error naming the flag,
 never a failure on the first request. Pure construction: no sockets here.
+
+Known limit: asyncio hands a TLS connection to the listener's guards only once its handshake
+is done, so connections still in their handshake (each bounded by ``TLS_HANDSHAKE_TIMEOUT_S``,
+10 s) do not count against ``--max-connections``; facing an untrusted network, terminate TLS in
+a load balancer with connection limits, or bound connections per client in the network.
 """
 
 from __future__ import annotations
