@@ -28,7 +28,6 @@ reported (``on_failure``) and restarted; it never dies silently.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -37,7 +36,7 @@ from typing import Any
 
 from omniinfer.kv_events import ProtocolError, decode_batch, seq_from
 from omniinfer.proxy import zmtp
-from omniinfer.proxy.control import FailureHook, Supervisor, WarningLimiter
+from omniinfer.proxy.control import FailureHook, OwnedTasks, Supervisor, WarningLimiter
 from omniinfer.proxy.kv_sources import (
     KvLimits,
     NoEvents,
@@ -73,7 +72,7 @@ def _warn(source: Source, kind: str, message: str, *args: Any,
     _WARNINGS.warn(log, f"{kind} {source.endpoint}", message, *args, level=level)
 
 
-class WorkerSubscription:
+class WorkerSubscription(OwnedTasks):
     """The subscriber tasks of one worker (one per publisher).
 
     Each task reads its publisher within ``limits`` (``KvLimits``) and never dies: a failure is
@@ -95,16 +94,6 @@ class WorkerSubscription:
         loop = asyncio.get_running_loop()
         self._tasks = [self._supervisor.watch(loop.create_task(self._run(i)), s.endpoint)
                        for i, s in enumerate(sources)]
-
-    def cancel(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-
-    async def close(self) -> None:
-        self.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
     async def _run(self, index: int) -> None:
         source = self.sources[index]

@@ -58,6 +58,23 @@ async def read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
     return bytes(body)
 
 
+class OwnedTasks:
+    """Mixin: the tasks in ``self._tasks`` are the object's own; ``cancel`` stops them and
+    ``close`` waits until they have ended."""
+
+    _tasks: list[asyncio.Task[Any]]
+
+    def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    async def close(self) -> None:
+        self.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
 class WarningLimiter:
     """Warnings about what a peer sends, limited per key (a source and a kind of fault).
 

@@ -29,7 +29,6 @@ the next poll. Contracts:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import reprlib
@@ -40,7 +39,7 @@ from typing import Any
 from omniinfer.kv_events import ProtocolError, seq_from
 from omniinfer.load_feed import STALE_AFTER_S, LoadStat, decode_load
 from omniinfer.proxy import zmtp
-from omniinfer.proxy.control import FailureHook, Supervisor, WarningLimiter
+from omniinfer.proxy.control import FailureHook, OwnedTasks, Supervisor, WarningLimiter
 from omniinfer.proxy.kv_sources import NoEvents, dial_rank
 from omniinfer.proxy.subscriptions import WorkerSubscriptions
 from omniinfer.proxy.workers import (
@@ -139,7 +138,7 @@ _COUNT_FIELDS = ("running_reqs", "waiting_reqs", "waiting_uncached_tokens", "use
                  "prefill_uncached_tokens")
 
 
-class WorkerFeed:
+class WorkerFeed(OwnedTasks):
     """The subscriber tasks of one worker (one per rank); they never die (see the module)."""
 
     def __init__(self, worker: Worker, endpoints: list[str], topic: str,
@@ -159,16 +158,6 @@ class WorkerFeed:
 
     def live(self, now: float) -> bool:
         return all(r.last is not None and now - r.heard_at <= STALE_AFTER_S for r in self.ranks)
-
-    def cancel(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-
-    async def close(self) -> None:
-        self.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
     async def _run(self, rank: RankFeed) -> None:
         def failed() -> None:
