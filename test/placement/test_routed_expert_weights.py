@@ -41,3 +41,35 @@ def test_a_model_without_expert_weights_is_a_clear_error() -> None:
         routed_expert_weights(_model([object(), object()]))
     with pytest.raises(RuntimeError, match="no routed expert weights"):
         routed_expert_weights(SimpleNamespace())
+
+
+def test_the_eplb_adapter_publishes_the_descriptor_once_and_keeps_a_published_one() -> None:
+    """SGLang's EPLB reads ``model.routed_experts_weights_of_layer``; qwen2_moe has none (the
+    first rebalance failed with AttributeError). The manager's wrapped getter returns the model
+    with it set, built at call time (after the model loaded); a published one is kept."""
+    from omniinfer.sglang_plugin.placement.eplb_adapter import (
+        publish_expert_weights,
+        with_published_weights,
+    )
+
+    qwen2_moe_like = _model([_Moe("l0"), _Moe("l1")])
+    calls: list[int] = []
+
+    def get_model() -> object:
+        calls.append(1)
+        return qwen2_moe_like
+
+    getter = with_published_weights(get_model)
+    assert not calls  # nothing is read before a rebalance asks for the model
+    model = getter()
+    assert model is qwen2_moe_like and calls == [1]
+    assert model.routed_experts_weights_of_layer == {0: ["l0.w13", "l0.w2"],
+                                                     1: ["l1.w13", "l1.w2"]}
+    built = model.routed_experts_weights_of_layer
+    assert getter().routed_experts_weights_of_layer is built  # built once
+    published = {7: ["own"]}
+    qwen3_moe_like = _model([_Moe("x")], routed_experts_weights_of_layer=published)
+    assert publish_expert_weights(qwen3_moe_like) is False
+    assert qwen3_moe_like.routed_experts_weights_of_layer is published
+    with pytest.raises(RuntimeError, match="get_moe_weights"):
+        publish_expert_weights(_model([object()]))

@@ -60,3 +60,35 @@ def test_moe_outputs_equal_the_dense_model_and_the_load_is_uneven(tmp_path: Path
     per_expert = counts.sum(dim=tuple(range(counts.dim() - 1))).float()  # [experts]
     assert counts.shape[-2:] == (30, 4) and per_expert.sum() > 0
     assert per_expert.max() > 1.3 * per_expert.min(), per_expert  # real, uneven load
+
+
+def test_sglang_eplb_rebalances_the_qwen2_moe_model(tmp_path: Path) -> None:
+    """SGLang's own ``--enable-eplb`` on SmolLM2-MoE (qwen2_moe, which publishes no
+    ``routed_experts_weights_of_layer``): before the plugin's EPLB adapter its first rebalance
+    died with AttributeError; now EPLB rebalances (SGLang's own log line, more than once) and
+    the greedy outputs stay the dense model's."""
+    from transformers import AutoTokenizer
+
+    from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
+
+    if not (MOE / "config.json").is_file():
+        pytest.fail(f"{MOE} is missing: scripts/setup.sh builds it")
+    tokenizer = AutoTokenizer.from_pretrained(DENSE)
+    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
+    expected = [hf_greedy(DENSE, ids, NEW_TOKENS) for ids in prompts]
+    port = free_port()
+    command = cpu_server_command(MOE, port, 4096, [
+        "--tp", "2", "--ep", "2", "--enable-eplb", "--ep-num-redundant-experts", "2",
+        "--eplb-rebalance-num-iterations", "8"])
+    log = tmp_path / "moe-eplb.log"
+    with SGLangServer(command, cpu_env(threads_bind="0|1"), log, port,
+                      ready_timeout_s=900) as server:
+        for ids, want in zip(prompts, expected, strict=True):
+            reply = post_json(server.base_url + "/generate", {
+                "input_ids": ids, "sampling_params": {
+                    "max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}})
+            assert reply["output_ids"] == want
+    text = log.read_text(errors="replace")
+    assert "AttributeError" not in text
+    assert "built from its MoE layers for SGLang's EPLB" in text
+    assert text.count("[EPLBManager] rebalance end") >= 2, text[-3000:]

@@ -26,6 +26,7 @@ EXPECTED: dict[str, set[str]] = {
     "sglang.srt.layers.moe.fused_moe_native.moe_forward_native": {"around"},
     "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__": {"after"},
     "sglang.srt.managers.scheduler.Scheduler.on_idle": {"after", "around"},
+    "sglang.srt.eplb.eplb_manager.EPLBManager.__init__": {"after"},
     "sglang.srt.eplb.eplb_manager.EPLBManager.on_forward_pass_end": {"around"},
     "sglang.srt.eplb.expert_distribution._StatAccumulator.append": {"after"},
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend":

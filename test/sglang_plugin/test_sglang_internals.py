@@ -51,9 +51,10 @@ def test_a_renamed_internal_fails_naming_every_missing_one(monkeypatch: pytest.M
     assert "no top-level function rebalance_experts_gone" in message
     assert "owner does not resolve" in message
     # Start-up checks only the features switched on.
-    monkeypatch.setattr(internals, "DECLARED", (internals.EPLB_MODEL_CONFIG, fakes[0]))
+    placement_only = _renamed(internals.EPLB_MODEL_CONFIG, name="_model_config_gone")
+    monkeypatch.setattr(internals, "DECLARED", (internals.EPLB_GET_MODEL, placement_only))
     internals.check(internals.start_up_features(placement=False, omni_attn=True, cpu_engine=True))
-    with pytest.raises(internals.SGLangInternalsError, match="_get_model_gone"):
+    with pytest.raises(internals.SGLangInternalsError, match="_model_config_gone"):
         internals.check(internals.start_up_features(placement=True, omni_attn=False,
                                                     cpu_engine=False))
 

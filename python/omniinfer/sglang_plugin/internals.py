@@ -106,7 +106,8 @@ HOOK_REGISTRY_PATCHED = Internal(_HOOK_REGISTRY, "_patched",
 
 # ---- OmniPlacement
 EPLB_GET_MODEL = Internal(_EPLB_MANAGER, "_get_model",
-                          "PlacementController: the model whose expert weights move", PLACEMENT, _I)
+                          "PlacementController and the EPLB adapter: the model whose expert "
+                          "weights move", CORE, _I)
 EPLB_MODEL_CONFIG = Internal(_EPLB_MANAGER, "_model_config",
                              "PlacementController: ExpertLocationMetadata of a new layout",
                              PLACEMENT, _I)

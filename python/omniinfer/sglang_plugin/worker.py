@@ -38,6 +38,9 @@ def _after_scheduler_init(_result: Any, scheduler: Any, *_a: Any, **_k: Any) -> 
 
 def register() -> None:
     hooks.register(SCHEDULER_INIT, _after_scheduler_init, HookType.AFTER, "omni config and hook check")
+    from omniinfer.sglang_plugin.placement import eplb_adapter
+
+    eplb_adapter.register()
     config = current_config()
     if config.enable_omni_placement:
         from omniinfer.sglang_plugin.placement import plugin as placement_plugin
