@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,6 +47,30 @@ def llama_server(
     log = tmp_path_factory.mktemp("logs") / "llama-server.log"
     with SGLangServer(command, cpu_env(), log, port) as server:
         yield server
+
+
+QUICK_ENV = "OMNIINFER_TEST_QUICK"  # set by scripts/test.sh --quick (with -m "not server")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def quick_mode_starts_no_real_server() -> Iterator[None]:
+    """Under ``scripts/test.sh --quick`` a test that starts a real SGLang server without the
+    ``server`` mark fails, naming the command, so the quick selection stays what it says."""
+    if os.environ.get(QUICK_ENV) != "1":
+        yield
+        return
+    original = subprocess.Popen.__init__
+
+    def refuse_servers(self: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> None:
+        line = args if isinstance(args, (str, bytes)) else " ".join(map(str, args))
+        if "sglang.launch_server" in str(line):
+            raise RuntimeError("this test starts a real SGLang server: mark it "
+                               f"pytest.mark.server ({str(line)[:200]})")
+        original(self, args, *rest, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", refuse_servers)
+        yield
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,0 +1,146 @@
+"""How much SLO capacity the order of a central queue can buy on a workload, in the best case.
+
+A router that holds requests (OAS) can choose which request a free prefill instance gets next;
+one that dispatches at arrival (smg's policies) leaves each instance first come, first served.
+This script bounds what that choice is worth, before any router detail: ``servers`` identical
+prefill instances fed from one central queue that knows every request's prefill time exactly
+(no prediction error, no transfer, no batching, no prefix cache: ASSUMPTION, an idealised
+model), the requests
+of the same workloads and arrival processes ``capacity.py`` uses (Poisson for the paper mix,
+the Azure and Mooncake conversation traces' own arrival times compressed to a rate). TTFT is
+queueing + prefill time; a request is within the SLO when its TTFT is under ``--slo``. For each
+order the 90 % SLO capacity is found on a grid of rates (multiples of the fleet's throughput,
+``servers`` / mean prefill time) and divided by first come, first served's on the same requests:
+the most any order can add when placement is perfect.
+
+Orders: ``fcfs`` (one central FIFO queue: work-conserving, so at least as good as any
+dispatch-at-arrival policy with FIFO instances); ``shortest`` (least prefill time first,
+non-preemptive); ``fcfs_late_last`` and ``shortest_late_last`` (requests that can no longer meet
+the SLO — waited + prefill time > SLO — go after all the others, oldest first). Pure Python;
+seconds to run:
+
+    python benchmark/proxy/order_bound.py          # writes results/proxy/order_bound.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from capacity import at_rate, base_requests  # noqa: E402
+from capacity_math import capacity_at  # noqa: E402
+
+from omniinfer.emulator.profile import load_profile  # noqa: E402
+
+# (arrival, prefill seconds) of the queued requests, now, SLO -> the index to serve next
+Pick = Callable[[Sequence[tuple[float, float]], float, float], int]
+
+
+def _fcfs(queue: Sequence[tuple[float, float]], now: float, slo: float) -> int:
+    return min(range(len(queue)), key=lambda i: queue[i][0])
+
+
+def _shortest(queue: Sequence[tuple[float, float]], now: float, slo: float) -> int:
+    return min(range(len(queue)), key=lambda i: (queue[i][1], queue[i][0]))
+
+
+def _late_last(first: Pick) -> Pick:
+    def pick(queue: Sequence[tuple[float, float]], now: float, slo: float) -> int:
+        alive = [i for i, (arrival, work) in enumerate(queue) if now - arrival + work <= slo]
+        if not alive:
+            return _fcfs(queue, now, slo)
+        return alive[first([queue[i] for i in alive], now, slo)]
+    return pick
+
+
+ORDERS: dict[str, Pick] = {"fcfs": _fcfs, "shortest": _shortest,
+                           "fcfs_late_last": _late_last(_fcfs),
+                           "shortest_late_last": _late_last(_shortest)}
+
+
+def ttfts(arrivals: Sequence[float], works: Sequence[float], servers: int, pick: Pick,
+          slo: float) -> list[float]:
+    """TTFT of each request under ``pick`` on ``servers`` instances fed from one queue."""
+    pending = sorted(range(len(arrivals)), key=lambda i: arrivals[i])
+    free = [0.0] * servers  # when each instance is next free (a heap)
+    queue: list[int] = []
+    out = [0.0] * len(arrivals)
+    nxt = 0
+    while nxt < len(pending) or queue:
+        now = heapq.heappop(free)
+        if not queue and arrivals[pending[nxt]] > now:
+            now = arrivals[pending[nxt]]
+        while nxt < len(pending) and arrivals[pending[nxt]] <= now:
+            queue.append(pending[nxt])
+            nxt += 1
+        chosen = queue.pop(pick([(arrivals[i], works[i]) for i in queue], now, slo))
+        out[chosen] = now + works[chosen] - arrivals[chosen]
+        heapq.heappush(free, now + works[chosen])
+    return out
+
+
+def prefill_work(profile: str, prompts: Sequence[int]) -> list[float]:
+    """Prefill seconds of each prompt on one instance of ``profile`` (no cache; the per-pass
+    base left out as ``capacity.py``'s estimate leaves it: batching shares it)."""
+    cost = load_profile(profile).cost
+    return [cost.prefill_per_request_s + cost.prefill_per_token_s * n
+            + cost.prefill_attention_s * n * n / 2 for n in prompts]
+
+
+def capacities(workload: str, repeat: int, args: argparse.Namespace) -> dict[str, float]:
+    """Each order's 90 % SLO capacity (requests per model minute) on one repeat's requests."""
+    offset = args.trace_offset + repeat * args.requests
+    requests = base_requests(workload, args.requests, args.seed + repeat, offset, 0.05)
+    works = prefill_work(args.profile, [r.prompt_tokens for r in requests])
+    throughput = 60.0 * args.servers / statistics.fmean(works)  # QPM with every instance busy
+    found: dict[str, float] = {}
+    for name, pick in ORDERS.items():
+        points = []
+        for multiplier in args.multipliers:
+            qpm = throughput * multiplier
+            timed = at_rate(requests, workload, qpm, args.seed + repeat)
+            got = ttfts([r.arrival_s for r in timed], works, args.servers, pick, args.slo)
+            points.append((qpm, sum(t <= args.slo for t in got) / len(got)))
+        found[name] = capacity_at(points, 0.90)[0]
+    return found
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default="paper,azure,mooncake")
+    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--requests", type=int, default=600)
+    p.add_argument("--servers", type=int, default=4)
+    p.add_argument("--slo", type=float, default=2.0, help="TTFT objective, model seconds")
+    p.add_argument("--profile", default="h100-llama3-8b")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace-offset", type=int, default=0)
+    p.add_argument("--multipliers", default=",".join(f"{0.5 + 0.05 * i:.2f}" for i in range(31)))
+    p.add_argument("--out", type=Path, default=HERE.parent / "results" / "proxy" / "order_bound.json")
+    args = p.parse_args()
+    args.multipliers = [float(m) for m in args.multipliers.split(",")]
+    result: dict[str, object] = {"args": {k: str(v) for k, v in vars(args).items() if k != "out"}}
+    for workload in args.workloads.split(","):
+        runs = [capacities(workload, k, args) for k in range(args.repeats)]
+        ratios = {name: [run[name] / run["fcfs"] for run in runs] for name in ORDERS}
+        result[workload] = {"capacity_qpm": runs, "over_fcfs": ratios}
+        print(f"{workload}: 90 % SLO capacity over central FCFS, per repeat")
+        for name, values in ratios.items():
+            print(f"  {name:20s} " + "  ".join(f"{v:.3f}" for v in values)
+                  + f"   median {statistics.median(values):.3f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out.relative_to(HERE.parent.parent)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
