@@ -86,6 +86,19 @@ def test_slo_first_puts_requests_that_can_still_make_it_ahead_of_lost_ones() -> 
     assert [w.key for w in get_order("short_old_first")([lost, fresh_short], 2.5)][0] == "lost"
 
 
+def test_slo_first_with_the_queue_counts_an_instance_queue_as_waiting() -> None:
+    """EDF among those alive (``oas_edf``): a request alive by its own wait but not once the
+    soonest instance's queue is added goes with the lost ones; FIFO among the rest."""
+    young, old = item("young", 0.5, 2.0), item("old", 0.5, 1.0)  # at 2.5: waited 0.5 / 1.5 s
+    plain = slo_first(get_order("fifo"), slo_s=2.0)
+    assert [w.key for w in plain([young, old], 2.5)] == ["old", "young"]
+    queued = slo_first(get_order("fifo"), slo_s=2.0, queue_wait=lambda now: 0.4)
+    # old: 1.5 + 0.4 + 0.5 > 2 -> late; young: 0.5 + 0.4 + 0.5 <= 2 -> alive, served first
+    assert [w.key for w in queued([young, old], 2.5)] == ["young", "old"]
+    idle = slo_first(get_order("fifo"), slo_s=2.0, queue_wait=lambda now: -1.0)  # never < 0
+    assert [w.key for w in idle([young, old], 2.5)] == ["old", "young"]
+
+
 def _wakeups(q: DeferredQueue, now: float, instances: list[FakeInstance],
              until: float = math.inf) -> Iterator[float]:
     """The queue's own wake-up times up to ``until`` (by default: until it is empty); the

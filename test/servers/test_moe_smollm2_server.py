@@ -26,16 +26,21 @@ def _post(url: str) -> None:
         r.read()
 
 
-def test_moe_outputs_equal_the_dense_model_and_the_load_is_uneven(tmp_path: Path) -> None:
+def _prompts_and_dense_outputs() -> tuple[list[list[int]], list[list[int]]]:
+    """The prompts' token ids and the dense model's greedy continuations in transformers."""
     from transformers import AutoTokenizer
-
-    from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
 
     if not (MOE / "config.json").is_file():
         pytest.fail(f"{MOE} is missing: scripts/setup.sh builds it")
     tokenizer = AutoTokenizer.from_pretrained(DENSE)
     prompts = [tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
-    expected = [hf_greedy(DENSE, ids, NEW_TOKENS) for ids in prompts]
+    return prompts, [hf_greedy(DENSE, ids, NEW_TOKENS) for ids in prompts]
+
+
+def test_moe_outputs_equal_the_dense_model_and_the_load_is_uneven(tmp_path: Path) -> None:
+    from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
+
+    prompts, expected = _prompts_and_dense_outputs()
     port = free_port()
     command = cpu_server_command(MOE, port, 4096,
                                  ["--expert-distribution-recorder-mode", "stat"])
@@ -67,15 +72,9 @@ def test_sglang_eplb_rebalances_the_qwen2_moe_model(tmp_path: Path) -> None:
     ``routed_experts_weights_of_layer``): before the plugin's EPLB adapter its first rebalance
     died with AttributeError; now EPLB rebalances (SGLang's own log line, more than once) and
     the greedy outputs stay the dense model's."""
-    from transformers import AutoTokenizer
-
     from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
 
-    if not (MOE / "config.json").is_file():
-        pytest.fail(f"{MOE} is missing: scripts/setup.sh builds it")
-    tokenizer = AutoTokenizer.from_pretrained(DENSE)
-    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
-    expected = [hf_greedy(DENSE, ids, NEW_TOKENS) for ids in prompts]
+    prompts, expected = _prompts_and_dense_outputs()
     port = free_port()
     command = cpu_server_command(MOE, port, 4096, [
         "--tp", "2", "--ep", "2", "--enable-eplb", "--ep-num-redundant-experts", "2",

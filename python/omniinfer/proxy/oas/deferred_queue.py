@@ -115,21 +115,26 @@ def upstream_weights(items: Sequence[Waiting], now: float) -> list[Waiting]:
                   + 0.2 * (now - w.arrival) / w_max, reverse=True)
 
 
-def slo_first(order: Order, slo_s: float) -> Order:
+def slo_first(order: Order, slo_s: float,
+              queue_wait: Callable[[float], float] | None = None) -> Order:
     """``order`` among requests that can still meet a TTFT objective, then the others, oldest
     first.
 
     Under overload the mean wait is set by the load, whatever the order; the order decides how
     many requests finish within the objective. A request that has already waited past it
     (waiting time + its predicted compute > ``slo_s``) would, served first, make the next ones
-    miss as well; it goes after them, and the hold bound still releases it in time.
+    miss as well; it goes after them, and the hold bound still releases it in time. With
+    ``queue_wait`` (now -> the seconds a request released now waits at the soonest instance),
+    that wait counts too: a request that would pass the objective in an instance's queue is
+    late already.
     """
 
     def ordered(items: Sequence[Waiting], now: float) -> list[Waiting]:
         alive: list[Waiting] = []
         late: list[Waiting] = []
+        ahead = 0.0 if queue_wait is None else max(0.0, queue_wait(now))
         for w in items:
-            (alive if (now - w.arrival) + w.work <= slo_s else late).append(w)
+            (alive if (now - w.arrival) + ahead + w.work <= slo_s else late).append(w)
         return order(alive, now) + sorted(late, key=lambda w: w.arrival)
 
     return ordered

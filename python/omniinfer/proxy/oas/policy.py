@@ -34,7 +34,9 @@ The ablations are the same policy with one part switched off, registered beside 
 patient redirect). Variants: ``oas_sjf`` orders by predicted compute alone (no aging; the hold
 bound protects long requests); ``oas_mh`` gives up, by the Moore–Hodgson rule, the longest
 requests that would make others miss the objective; ``oas_goodput`` is ``oas_sjf`` with a hold
-bound of 32 cycles instead of 8 (SLO goodput under overload at the cost of the tail). What each
+bound of 32 cycles instead of 8 (SLO goodput under overload at the cost of the tail);
+``oas_edf`` serves the requests that can still meet the objective oldest first (earliest
+deadline), judging "can still" with the soonest instance's predicted queue included. What each
 part measured: docs/benchmarks.md, "OmniProxy OAS evaluation".
 """
 
@@ -67,6 +69,7 @@ class OASPolicy(DeferringPolicy):
     slo_aware: ClassVar[bool] = True  # honour --oas-ttft-slo-secs when given
     queue_batches: ClassVar[float] = 2.0  # an instance is short of work below this many batches
     slo_rule: ClassVar[str] = "first"  # "first": slo_first; "sacrifice": Moore–Hodgson
+    late_with_queue: ClassVar[bool] = False  # "late" counts the soonest instance's queue
     bound_cycles: ClassVar[float | None] = None  # None: --oas-hold-bound-cycles' value (32)
     adaptive_threshold: ClassVar[float] = 0.5  # load_adaptive: drain time / objective
     adaptive_calm: ClassVar[float | None] = 0.05  # load_adaptive: back to aging below this
@@ -95,7 +98,8 @@ class OASPolicy(DeferringPolicy):
         if slo and self.slo_rule == "sacrifice":
             order = slo_sacrifice(float(slo), self._capacity)
         elif slo:
-            order = slo_first(order, float(slo))
+            order = slo_first(order, float(slo),
+                              self._soonest_start if self.late_with_queue else None)
         redirect = self._redirect_wait if self.use_cache and self.patient_redirect else None
         return DeferredQueue(order, self.estimate, options, self.rng, gate, starved=starved,
                              redirect_wait=redirect)
@@ -122,6 +126,10 @@ class OASPolicy(DeferringPolicy):
         if not clocks:
             return 1, 0.0
         return len(clocks), sum(c.queue_seconds(now) for c in clocks) / len(clocks)
+
+    def _soonest_start(self, now: float) -> float:
+        """Predicted seconds until the least-backlogged prefill instance could start a request."""
+        return min((c.queue_seconds(now) for c in self.clocks.values()), default=0.0)
 
     def _starved(self, inst: Instance, now: float) -> bool:
         """Would run short of work: reported empty, or less than ``queue_batches`` batches of
@@ -181,3 +189,4 @@ OASMooreHodgson = _variant("oas_mh", slo_rule="sacrifice")
 OASGoodput = _variant("oas_goodput", order_name="shortest_first", bound_cycles=32.0)
 OASTTFTOnly = _variant("oas_ttft_only", miss_weight=0.0, patient_redirect=False)
 OASAged = _variant("oas_aged", order_name="short_old_first", bound_cycles=8.0)
+OASEDF = _variant("oas_edf", order_name="fifo", late_with_queue=True)
