@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,22 +53,21 @@ QUICK_ENV = "OMNIINFER_TEST_QUICK"  # set by scripts/test.sh --quick (with -m "n
 
 @pytest.fixture(scope="session", autouse=True)
 def quick_mode_starts_no_real_server() -> Iterator[None]:
-    """Under ``scripts/test.sh --quick`` a test that starts a real SGLang server without the
-    ``server`` mark fails, naming the command, so the quick selection stays what it says."""
+    """Under ``scripts/test.sh --quick`` a test that starts a real SGLang server (one that waits
+    for it to serve: ``SGLangServer.start``) without the ``server`` mark fails, naming the
+    command, so the quick selection stays what it says. Launches that stop at argument checks
+    or ``--help`` start no server and stay in."""
     if os.environ.get(QUICK_ENV) != "1":
         yield
         return
-    original = subprocess.Popen.__init__
+    from omniinfer.launch import SGLangServer
 
-    def refuse_servers(self: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> None:
-        line = args if isinstance(args, (str, bytes)) else " ".join(map(str, args))
-        if "sglang.launch_server" in str(line):
-            raise RuntimeError("this test starts a real SGLang server: mark it "
-                               f"pytest.mark.server ({str(line)[:200]})")
-        original(self, args, *rest, **kwargs)
+    def refuse(self: SGLangServer) -> None:
+        raise RuntimeError("this test starts a real SGLang server: mark it pytest.mark.server "
+                           f"({' '.join(map(str, self.command))[:200]})")
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(subprocess.Popen, "__init__", refuse_servers)
+        patch.setattr(SGLangServer, "start", refuse)
         yield
 
 
