@@ -9,8 +9,10 @@ model), the requests
 of the same workloads and arrival processes ``capacity.py`` uses (Poisson for the paper mix,
 the Azure and Mooncake conversation traces' own arrival times compressed to a rate). TTFT is
 queueing + prefill time; a request is within the SLO when its TTFT is under ``--slo``. For each
-order the 90 % SLO capacity is found on a grid of rates (multiples of the fleet's throughput,
-``servers`` / mean prefill time) and divided by first come, first served's on the same requests:
+order the 90 % SLO capacity is found by climbing the rate (multiples of the fleet's throughput,
+``servers`` / mean prefill time, in ``--step``) until two rates in a row fall under 90 %, so no
+capacity is cut off by the end of a grid, and divided by first come, first served's on the same
+requests:
 the most any order can add when placement is perfect.
 
 Orders: ``fcfs`` (one central FIFO queue: work-conserving, so at least as good as any
@@ -39,6 +41,8 @@ from capacity import at_rate, base_requests  # noqa: E402
 from capacity_math import capacity_at  # noqa: E402
 
 from omniinfer.emulator.profile import load_profile  # noqa: E402
+
+MAX_MULTIPLIER = 10.0  # a sweep that finds no knee below this many times the throughput fails
 
 # (arrival, prefill seconds) of the queued requests, now, SLO -> the index to serve next
 Pick = Callable[[Sequence[tuple[float, float]], float, float], int]
@@ -103,13 +107,24 @@ def capacities(workload: str, repeat: int, args: argparse.Namespace) -> dict[str
     throughput = 60.0 * args.servers / statistics.fmean(works)  # QPM with every instance busy
     found: dict[str, float] = {}
     for name, pick in ORDERS.items():
-        points = []
-        for multiplier in args.multipliers:
+        points: list[tuple[float, float]] = []
+        multiplier, below = args.first_multiplier, 0
+        while below < 2:  # climb until two points in a row fall under 90 %: the knee is passed
+            if multiplier > MAX_MULTIPLIER:
+                raise RuntimeError(f"{workload} repeat {repeat} {name}: no knee below "
+                                   f"{MAX_MULTIPLIER}x the throughput")
             qpm = throughput * multiplier
             timed = at_rate(requests, workload, qpm, args.seed + repeat)
             got = ttfts([r.arrival_s for r in timed], works, args.servers, pick, args.slo)
-            points.append((qpm, sum(t <= args.slo for t in got) / len(got)))
-        found[name] = capacity_at(points, 0.90)[0]
+            share = sum(t <= args.slo for t in got) / len(got)
+            points.append((qpm, share))
+            below = below + 1 if share < 0.90 else 0
+            multiplier += args.step
+        capacity, bound = capacity_at(points, 0.90)
+        if bound:  # under 90 % at the first rate: no capacity to compare
+            raise RuntimeError(f"{workload} repeat {repeat} {name}: under 90 % at "
+                               f"{args.first_multiplier}x; lower --first-multiplier")
+        found[name] = capacity
     return found
 
 
@@ -123,10 +138,11 @@ def main() -> int:
     p.add_argument("--profile", default="h100-llama3-8b")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace-offset", type=int, default=0)
-    p.add_argument("--multipliers", default=",".join(f"{0.5 + 0.05 * i:.2f}" for i in range(31)))
+    p.add_argument("--first-multiplier", type=float, default=0.5,
+                   help="first rate, as a multiple of the fleet's throughput")
+    p.add_argument("--step", type=float, default=0.05, help="rate step, same unit")
     p.add_argument("--out", type=Path, default=HERE.parent / "results" / "proxy" / "order_bound.json")
     args = p.parse_args()
-    args.multipliers = [float(m) for m in args.multipliers.split(",")]
     result: dict[str, object] = {"args": {k: str(v) for k, v in vars(args).items() if k != "out"}}
     for workload in args.workloads.split(","):
         runs = [capacities(workload, k, args) for k in range(args.repeats)]
