@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from omni_testing import LEFTOVER_GRACE_S, SESSION_PROCESSES, leftovers
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +48,37 @@ def llama_server(
     )
     log = tmp_path_factory.mktemp("logs") / "llama-server.log"
     with SGLangServer(command, cpu_env(), log, port) as server:
+        assert server.process is not None
+        SESSION_PROCESSES.add(server.process.pid)
         yield server
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_process_outlives_its_module() -> Iterator[None]:
+    """Every process a test module starts is gone when the module ends (after a grace of
+    ``LEFTOVER_GRACE_S``); one that is not is killed and the module's teardown fails, naming
+    it. A leftover server or emulator would otherwise share the two cores with every later
+    test and slow the rest of the suite several-fold."""
+    import psutil
+
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    yield
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    left = leftovers(before)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = leftovers(before)
+    if not left:
+        return
+    described = []
+    for child in left:
+        try:
+            described.append(f"{child.pid}: {' '.join(child.cmdline())[:200]}")
+            child.kill()
+        except psutil.Error:
+            continue
+    psutil.wait_procs(left, timeout=5)
+    pytest.fail("processes outlived their test module (killed now):\n" + "\n".join(described))
 
 
 QUICK_ENV = "OMNIINFER_TEST_QUICK"  # set by scripts/test.sh --quick (with -m "not server")

@@ -101,3 +101,37 @@ async def eventually(done: Callable[[], bool],
         if done():
             return True
     return False
+
+
+# Processes that session fixtures start and stop themselves: they outlive the module that first
+# asks for them, so the leftover check below spares them and their children.
+SESSION_PROCESSES: set[int] = set()
+SPARED_COMMANDS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+LEFTOVER_GRACE_S = 10.0
+
+
+def leftovers(before: set[int]) -> list[Any]:
+    """Descendants of this pytest process started since ``before`` that no session fixture owns."""
+    import psutil
+
+    me = psutil.Process()
+    spared: set[int] = set()
+    for pid in SESSION_PROCESSES:
+        try:
+            owner = psutil.Process(pid)
+            spared |= {pid, *(c.pid for c in owner.children(recursive=True))}
+        except psutil.NoSuchProcess:
+            continue
+    found = []
+    for child in me.children(recursive=True):
+        if child.pid in before or child.pid in spared:
+            continue
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if any(name in " ".join(child.cmdline()) for name in SPARED_COMMANDS):
+                continue
+        except psutil.Error:
+            continue
+        found.append(child)
+    return found

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 
-from omniinfer.proxy.base import PolicyContext
+from omniinfer.proxy.base import PolicyContext, RouteRequest, create_policy
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.oas.cost import (
     MIN_SEED_TOKENS,
     BatchTimeModel,
     InstanceClock,
+    ObservedDelay,
     TransferModel,
     predicted_ttft,
 )
+from omniinfer.proxy.oas.deferred_queue import Waiting
 from omniinfer.proxy.oas.policy import OASJitOnly, OASPolicy
 from omniinfer.proxy.prefix import PrefixIndex
-from omniinfer.proxy.workers import Role
+from omniinfer.proxy.workers import Role, Worker
 
 
 def truth(tokens: list[int]) -> float:
@@ -231,3 +234,62 @@ def test_oas_orders_by_the_load_with_an_objective_and_ages_without_one() -> None
     assert [w.key for w in light.queue.order(heavy, 3.0)][:2] == ["new_short", "old_long"]
     plain = make(None)
     assert [w.key for w in plain.queue.order(heavy, 3.0)][0] == "old_long"
+
+
+def test_observed_delay_is_a_high_quantile_of_the_excess_over_predicted_compute() -> None:
+    delays = ObservedDelay(window=10, quantile=0.9, min_samples=3)
+    delays.released("a", 0.0, 0.5)
+    delays.done("a", 1.5)  # 1.0 s beyond its compute
+    delays.released("b", 0.0, 0.5)
+    delays.done("b", 0.2)  # faster than predicted: counts as no delay
+    assert delays.value() == 0.0  # fewer than min_samples
+    for i in range(8):
+        delays.released(f"c{i}", 10.0, 0.1)
+        delays.done(f"c{i}", 10.1 + 0.1 * i)
+    assert delays.value() == pytest.approx(0.7)
+    delays.done("never-released", 99.0)  # unknown keys change nothing
+    delays.released("gone", 20.0, 0.1)
+    delays.forget("gone")
+    delays.done("gone", 120.0)
+    assert delays.value() == pytest.approx(0.7)
+    for i in range(10):  # the window keeps only the latest
+        delays.released(f"d{i}", 30.0, 0.0)
+        delays.done(f"d{i}", 32.0)
+    assert delays.value() == pytest.approx(2.0)
+
+
+def test_observed_delay_bounds_its_open_bookings() -> None:
+    delays = ObservedDelay(max_open=3)
+    for i in range(10):
+        delays.released(str(i), 0.0, 0.0)
+    assert len(delays._open) == 3 and set(delays._open) == {"7", "8", "9"}
+
+
+def test_oas_learns_the_release_to_prefill_delay_and_judges_lateness_with_it() -> None:
+    """``oas_edf_obs``: each prefill's delay beyond its predicted compute is measured through
+    the hooks (release in the queue, end in ``on_prefill_done``; a failed one is forgotten),
+    and a request whose wait plus that delay passes the objective goes after the others."""
+    async def run() -> None:
+        policy = create_policy("oas_edf_obs", PolicyContext(
+            RouterConfig(oas_ttft_slo_secs=2.0), PrefixIndex(), Role.PREFILL))
+        p = Worker("http://127.0.0.1:1", Role.PREFILL)
+        p.healthy = True
+        for i in range(10):
+            request = RouteRequest(f"r{i}", 64, 8)
+            assert (await policy.schedule(request, [p])).worker is p
+            await asyncio.sleep(0.05)
+            policy.on_prefill_done(request, p, 0.05)
+            policy.on_complete(request, p, True)
+        assert len(policy.delays.recent) == 10 and policy.delays.value() >= 0.03
+        failed = RouteRequest("failed", 64, 8)
+        assert (await policy.schedule(failed, [p])).worker is p
+        policy.on_complete(failed, p, False)
+        assert len(policy.delays.recent) == 10 and policy.delays._open == {}
+        policy.delays.recent.extend([1.5] * 10)  # instances now answer 1.5 s late
+        now = policy.now()
+        old = Waiting("old", 64, 0.01, now - 1.0)  # 1.0 + 1.5 > 2: late
+        young = Waiting("young", 64, 0.01, now - 0.1)
+        policy.delays._value = None
+        assert [w.key for w in policy.queue.order([old, young], now)] == ["young", "old"]
+
+    asyncio.run(run())

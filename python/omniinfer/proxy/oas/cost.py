@@ -263,3 +263,54 @@ def predicted_ttft(clock: InstanceClock, uncached_tokens: int, prompt_tokens: in
     compute = uncached_tokens if use_cache else prompt_tokens
     return (clock.queue_seconds(now) + clock.model.predict([max(1, compute)])
             + transfer.seconds(prompt_tokens))
+
+
+class ObservedDelay:
+    """How much longer than their own predicted compute recent requests took from release to
+    the end of their prefill: the queue they met at the instance, the batch they finished
+    with, and the model's error, as measured rather than predicted.
+
+    ``released`` books a request (its predicted compute on the instance it went to); ``done``
+    closes it and keeps the excess (never below zero) among the last ``window`` ones;
+    ``value`` is their ``quantile`` (zero until ``min_samples`` are known). Requests closed
+    without a measurement (failed, cancelled) are ``forget``-ten. At most ``max_open``
+    requests are booked at once: beyond that the oldest booking is dropped, so a caller that
+    never closes cannot grow it without bound.
+    """
+
+    def __init__(self, window: int = 64, quantile: float = 0.9, min_samples: int = 8,
+                 max_open: int = 65536) -> None:
+        if not 0.0 <= quantile <= 1.0 or window < 1 or max_open < 1:
+            raise ValueError("ObservedDelay: window >= 1, max_open >= 1, 0 <= quantile <= 1")
+        self.quantile = quantile
+        self.min_samples = min_samples
+        self.max_open = max_open
+        self.recent: collections.deque[float] = collections.deque(maxlen=window)
+        self._open: dict[str, tuple[float, float]] = {}  # key -> (released at, predicted s)
+        self._value: float | None = 0.0
+
+    def released(self, key: str, now: float, predicted_s: float) -> None:
+        if len(self._open) >= self.max_open:
+            self._open.pop(next(iter(self._open)))
+        self._open[key] = (now, max(0.0, predicted_s))
+
+    def done(self, key: str, now: float) -> None:
+        booked = self._open.pop(key, None)
+        if booked is None:
+            return
+        released_at, predicted = booked
+        self.recent.append(max(0.0, now - released_at - predicted))
+        self._value = None
+
+    def forget(self, key: str) -> None:
+        self._open.pop(key, None)
+
+    def value(self) -> float:
+        if self._value is None:
+            if len(self.recent) < self.min_samples:
+                self._value = 0.0
+            else:
+                ordered = sorted(self.recent)
+                self._value = ordered[min(len(ordered) - 1,
+                                          int(self.quantile * (len(ordered) - 1) + 0.5))]
+        return self._value

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from omniinfer.proxy.base import Decision, Policy, PolicyContext, RouteRequest
-from omniinfer.proxy.oas.cost import BatchTimeModel, InstanceClock
+from omniinfer.proxy.oas.cost import BatchTimeModel, InstanceClock, ObservedDelay
 from omniinfer.proxy.oas.deferred_queue import DeferredQueue, Instance, Release, Waiting
 from omniinfer.proxy.workers import Role, Worker
 
@@ -77,6 +77,7 @@ class DeferringPolicy(Policy):
         self.rng = random.Random()
         self.clocks: dict[str, InstanceClock] = {}
         self.workers: dict[str, Worker] = {}
+        self.delays = ObservedDelay()  # release to prefill end, beyond the predicted compute
         self.queue = self.make_queue()
         self._timer: asyncio.TimerHandle | None = None
         self._decode_pending: list[_DecodeWait] = []
@@ -171,19 +172,23 @@ class DeferringPolicy(Policy):
     def _book(self, release: Release) -> None:
         held: Held = release.item.payload
         worker = held.allowed[release.instance.key]
-        self.clock(worker).on_sent(held.request.request_id,
-                                   held.request.uncached_tokens(worker), self.now())
+        clock, uncached = self.clock(worker), held.request.uncached_tokens(worker)
+        clock.on_sent(held.request.request_id, uncached, self.now())
+        self.delays.released(held.request.request_id, self.now(),
+                             clock.model.predict([max(1, uncached)]))
         self.released[release.reason] = self.released.get(release.reason, 0) + 1
         if not held.future.done():
             held.future.set_result(Decision(worker, release.reason))
         else:  # the client left between the decision and now: nothing was sent
             self.clock(worker).on_failed(held.request.request_id)
+            self.delays.forget(held.request.request_id)
 
     # ---- hooks ------------------------------------------------------------------------------
     def on_prefill_done(self, request: RouteRequest, worker: Worker, seconds: float) -> None:
         clock = self.clocks.get(worker.url)
         if clock is not None:
             clock.on_done(request.request_id, self.now())
+        self.delays.done(request.request_id, self.now())
         self._pump()
 
     def on_complete(self, request: RouteRequest, worker: Worker, ok: bool) -> None:
@@ -194,8 +199,10 @@ class DeferringPolicy(Policy):
         if clock is not None and request.request_id in clock.sent:
             if ok:  # regular mode: no separate prefill event, the answer closes it
                 clock.on_done(request.request_id, self.now())
+                self.delays.done(request.request_id, self.now())
             else:
                 clock.on_failed(request.request_id)
+        self.delays.forget(request.request_id)
         self._pump()
 
     def on_loads(self, worker: Worker) -> None:

@@ -70,6 +70,8 @@ class OASPolicy(DeferringPolicy):
     queue_batches: ClassVar[float] = 2.0  # an instance is short of work below this many batches
     slo_rule: ClassVar[str] = "first"  # "first": slo_first; "sacrifice": Moore–Hodgson
     late_with_queue: ClassVar[bool] = False  # "late" counts the soonest instance's queue
+    late_margin_cycles: ClassVar[float] = 0.0  # ... plus this many of its batch cycles
+    late_observed: ClassVar[bool] = False  # "late" adds the measured release-to-prefill delay
     bound_cycles: ClassVar[float | None] = None  # None: --oas-hold-bound-cycles' value (32)
     adaptive_threshold: ClassVar[float] = 0.5  # load_adaptive: drain time / objective
     adaptive_calm: ClassVar[float | None] = 0.05  # load_adaptive: back to aging below this
@@ -98,8 +100,9 @@ class OASPolicy(DeferringPolicy):
         if slo and self.slo_rule == "sacrifice":
             order = slo_sacrifice(float(slo), self._capacity)
         elif slo:
-            order = slo_first(order, float(slo),
-                              self._soonest_start if self.late_with_queue else None)
+            ahead = (self._observed_delay if self.late_observed
+                     else self._soonest_start if self.late_with_queue else None)
+            order = slo_first(order, float(slo), ahead)
         redirect = self._redirect_wait if self.use_cache and self.patient_redirect else None
         return DeferredQueue(order, self.estimate, options, self.rng, gate, starved=starved,
                              redirect_wait=redirect)
@@ -128,8 +131,20 @@ class OASPolicy(DeferringPolicy):
         return len(clocks), sum(c.queue_seconds(now) for c in clocks) / len(clocks)
 
     def _soonest_start(self, now: float) -> float:
-        """Predicted seconds until the least-backlogged prefill instance could start a request."""
-        return min((c.queue_seconds(now) for c in self.clocks.values()), default=0.0)
+        """Predicted seconds until the least-backlogged prefill instance could start a request,
+        plus ``late_margin_cycles`` of its batch cycles (a request finishes with its batch, not
+        with its own compute, and waits for the batch running when it arrives)."""
+        clocks = self.clocks.values()
+        if not clocks:
+            return 0.0
+        soonest = min(clocks, key=lambda c: c.queue_seconds(now))
+        margin = self.late_margin_cycles * soonest.cycle_seconds(self.queue.options.default_cycle)
+        return soonest.queue_seconds(now) + margin
+
+    def _observed_delay(self, now: float) -> float:
+        """What recent requests spent between release and the end of their prefill beyond
+        their own predicted compute (a high quantile, ``ObservedDelay``)."""
+        return self.delays.value()
 
     def _starved(self, inst: Instance, now: float) -> bool:
         """Would run short of work: reported empty, or less than ``queue_batches`` batches of
@@ -190,3 +205,10 @@ OASGoodput = _variant("oas_goodput", order_name="shortest_first", bound_cycles=3
 OASTTFTOnly = _variant("oas_ttft_only", miss_weight=0.0, patient_redirect=False)
 OASAged = _variant("oas_aged", order_name="short_old_first", bound_cycles=8.0)
 OASEDF = _variant("oas_edf", order_name="fifo", late_with_queue=True)
+OASEDFMargin1 = _variant("oas_edf_m1", order_name="fifo", late_with_queue=True,
+                         late_margin_cycles=1.0)
+OASEDFMargin2 = _variant("oas_edf_m2", order_name="fifo", late_with_queue=True,
+                         late_margin_cycles=2.0)
+OASMargin1 = _variant("oas_m1", late_with_queue=True, late_margin_cycles=1.0)
+OASEDFObserved = _variant("oas_edf_obs", order_name="fifo", late_observed=True)
+OASObserved = _variant("oas_obs", late_observed=True)
