@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -53,12 +54,17 @@ def llama_server(
         yield server
 
 
+class LeftoverProcess(UserWarning):
+    """A test module left a process running (see ``no_process_outlives_its_module``)."""
+
+
 @pytest.fixture(scope="module", autouse=True)
 def no_process_outlives_its_module() -> Iterator[None]:
     """Every process a test module starts is gone when the module ends (after a grace of
-    ``LEFTOVER_GRACE_S``); one that is not is killed and the module's teardown fails, naming
-    it. A leftover server or emulator would otherwise share the two cores with every later
-    test and slow the rest of the suite several-fold."""
+    ``LEFTOVER_GRACE_S``); one that is not is killed and named in a warning in the summary. A
+    leftover server or emulator would otherwise share the two cores with every later test and
+    slow the rest of the suite several-fold (the kill protects the suite's time budget; the
+    warning, rather than a failure, keeps an unforeseen helper process from failing a run)."""
     import psutil
 
     before = {child.pid for child in psutil.Process().children(recursive=True)}
@@ -78,7 +84,8 @@ def no_process_outlives_its_module() -> Iterator[None]:
         except psutil.Error:
             continue
     psutil.wait_procs(left, timeout=5)
-    pytest.fail("processes outlived their test module (killed now):\n" + "\n".join(described))
+    warnings.warn(LeftoverProcess("processes outlived their test module (killed now):\n"
+                                  + "\n".join(described)), stacklevel=1)
 
 
 QUICK_ENV = "OMNIINFER_TEST_QUICK"  # set by scripts/test.sh --quick (with -m "not server")

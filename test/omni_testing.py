@@ -103,8 +103,8 @@ async def eventually(done: Callable[[], bool],
     return False
 
 
-# Processes that session fixtures start and stop themselves: they outlive the module that first
-# asks for them, so the leftover check below spares them and their children.
+# Processes that session- or package-scoped fixtures start and stop themselves: they outlive the
+# module that first asks for them, so the leftover check below spares them and their children.
 SESSION_PROCESSES: set[int] = set()
 SPARED_COMMANDS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 LEFTOVER_GRACE_S = 10.0

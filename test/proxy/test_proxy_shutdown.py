@@ -43,10 +43,13 @@ def _stream_worker(hold_headers: set[str]) -> ScriptedWorker:
     return ScriptedWorker({"/generate": generate})
 
 
-async def _call(session: aiohttp.ClientSession, base: str, text: str, n: int
-                ) -> tuple[int, str]:
+async def _call(session: aiohttp.ClientSession, base: str, text: str, n: int,
+                began: list[str] | None = None) -> tuple[int, str]:
+    """One streamed /generate; its text goes on ``began`` once the answer's head arrived."""
     async with session.post(base + "/generate", json={
             "text": text, "stream": True, "sampling_params": {"max_new_tokens": n}}) as resp:
+        if began is not None:
+            began.append(text)
         return resp.status, (await resp.read()).decode()
 
 
@@ -141,11 +144,17 @@ def test_sigterm_during_50_streams_ends_each_with_done_or_one_error(tmp_path: Pa
         with router:
             async def run() -> list[tuple[int, str]]:
                 async with aiohttp.ClientSession() as session:
-                    # 10 short ones end within the grace period, 40 long ones are cut
+                    # 10 short ones end within the grace period, 40 long ones are cut; the
+                    # signal comes once every answer has begun (a fixed sleep was too short
+                    # on a loaded machine: one request not yet begun got its 503)
+                    began: list[str] = []
                     calls = [asyncio.create_task(_call(session, router.base_url, f"p{i}",
-                                                       10 if i < 10 else 5000))
+                                                       10 if i < 10 else 5000, began))
                              for i in range(50)]
-                    await asyncio.sleep(1.0)
+                    deadline = time.monotonic() + 30.0
+                    while len(began) < 50 and time.monotonic() < deadline:
+                        await asyncio.sleep(0.05)
+                    assert len(began) == 50, f"only {len(began)} of 50 streams began"
                     assert router.process is not None
                     os.kill(router.process.pid, signal.SIGTERM)
                     started = time.monotonic()

@@ -132,7 +132,13 @@ def test_prefill_killed_mid_request(pd_servers: dict[str, Any], smollm2: Path, l
             assert status >= 500 and "error" in json.dumps(body).lower(), (status, body)
         assert_idle(d.base_url, 60)
         assert_idle(a.base_url, 60)
-        assert _wait(lambda: not _worker(router.base_url, victim.base_url)["healthy"], 30)
+        # (60 s: a round of health checks lasts as long as its slowest probe, up to 15 s each)
+        assert _wait(lambda: not _worker(router.base_url, victim.base_url)["healthy"], 60)
+        # A live server starved of both cores by the retried long prefill can miss two health
+        # checks too (seen once: prefill_a ejected 90 s after the victim); the router must take
+        # it back once it answers again, and serve through it.
+        assert _wait(lambda: all(_worker(router.base_url, s.base_url)["healthy"]
+                                 for s in (a, d)), 90)
         for prompt in PROMPTS[:3]:
             status, body = post(router.base_url + "/generate", gen_body(prompt))
             assert status == 200, body

@@ -1,0 +1,1 @@
+"""Tests sharing one set of real PD servers (``conftest.pd_servers``)."""
