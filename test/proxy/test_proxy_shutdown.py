@@ -145,11 +145,14 @@ def test_sigterm_during_50_streams_ends_each_with_done_or_one_error(tmp_path: Pa
             async def run() -> list[tuple[int, str]]:
                 async with aiohttp.ClientSession() as session:
                     # 10 short ones end within the grace period, 40 long ones are cut; the
-                    # signal comes once every answer has begun (a fixed sleep was too short
-                    # on a loaded machine: one request not yet begun got its 503)
+                    # signal comes once every answer has begun. The long ones ask for 400
+                    # tokens: the worker's 16,384-token KV pool admits all 40 at once
+                    # (0.7 x 400 reserved each); with 5,000 some waited unadmitted, with no
+                    # answer begun, and a fixed 1 s sleep before the signal then cut them
+                    # with a 503 now and then.
                     began: list[str] = []
                     calls = [asyncio.create_task(_call(session, router.base_url, f"p{i}",
-                                                       10 if i < 10 else 5000, began))
+                                                       10 if i < 10 else 400, began))
                              for i in range(50)]
                     deadline = time.monotonic() + 30.0
                     while len(began) < 50 and time.monotonic() < deadline:
