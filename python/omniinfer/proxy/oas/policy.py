@@ -36,8 +36,11 @@ bound protects long requests); ``oas_mh`` gives up, by the Moore–Hodgson rule,
 requests that would make others miss the objective; ``oas_goodput`` is ``oas_sjf`` with a hold
 bound of 32 cycles instead of 8 (SLO goodput under overload at the cost of the tail);
 ``oas_edf`` serves the requests that can still meet the objective oldest first (earliest
-deadline), judging "can still" with the soonest instance's predicted queue included. What each
-part measured: docs/benchmarks.md, "OmniProxy OAS evaluation".
+deadline), judging "can still" with the soonest instance's predicted queue included;
+``oas_edf_obs`` (and ``oas_obs``, the shipped order) judge "can still" with the *measured* delay
+instead: a high quantile of what recent requests spent between release and the end of their
+prefill beyond their own predicted compute (``cost.ObservedDelay``). What each part measured:
+docs/benchmarks.md, "OmniProxy OAS evaluation" and "OmniProxy SLO capacity".
 """
 
 from __future__ import annotations
@@ -70,7 +73,6 @@ class OASPolicy(DeferringPolicy):
     queue_batches: ClassVar[float] = 2.0  # an instance is short of work below this many batches
     slo_rule: ClassVar[str] = "first"  # "first": slo_first; "sacrifice": Moore–Hodgson
     late_with_queue: ClassVar[bool] = False  # "late" counts the soonest instance's queue
-    late_margin_cycles: ClassVar[float] = 0.0  # ... plus this many of its batch cycles
     late_observed: ClassVar[bool] = False  # "late" adds the measured release-to-prefill delay
     bound_cycles: ClassVar[float | None] = None  # None: --oas-hold-bound-cycles' value (32)
     adaptive_threshold: ClassVar[float] = 0.5  # load_adaptive: drain time / objective
@@ -131,15 +133,8 @@ class OASPolicy(DeferringPolicy):
         return len(clocks), sum(c.queue_seconds(now) for c in clocks) / len(clocks)
 
     def _soonest_start(self, now: float) -> float:
-        """Predicted seconds until the least-backlogged prefill instance could start a request,
-        plus ``late_margin_cycles`` of its batch cycles (a request finishes with its batch, not
-        with its own compute, and waits for the batch running when it arrives)."""
-        clocks = self.clocks.values()
-        if not clocks:
-            return 0.0
-        soonest = min(clocks, key=lambda c: c.queue_seconds(now))
-        margin = self.late_margin_cycles * soonest.cycle_seconds(self.queue.options.default_cycle)
-        return soonest.queue_seconds(now) + margin
+        """Predicted seconds until the least-backlogged prefill instance could start a request."""
+        return min((c.queue_seconds(now) for c in self.clocks.values()), default=0.0)
 
     def _observed_delay(self, now: float) -> float:
         """What recent requests spent between release and the end of their prefill beyond
@@ -205,10 +200,5 @@ OASGoodput = _variant("oas_goodput", order_name="shortest_first", bound_cycles=3
 OASTTFTOnly = _variant("oas_ttft_only", miss_weight=0.0, patient_redirect=False)
 OASAged = _variant("oas_aged", order_name="short_old_first", bound_cycles=8.0)
 OASEDF = _variant("oas_edf", order_name="fifo", late_with_queue=True)
-OASEDFMargin1 = _variant("oas_edf_m1", order_name="fifo", late_with_queue=True,
-                         late_margin_cycles=1.0)
-OASEDFMargin2 = _variant("oas_edf_m2", order_name="fifo", late_with_queue=True,
-                         late_margin_cycles=2.0)
-OASMargin1 = _variant("oas_m1", late_with_queue=True, late_margin_cycles=1.0)
 OASEDFObserved = _variant("oas_edf_obs", order_name="fifo", late_observed=True)
 OASObserved = _variant("oas_obs", late_observed=True)
