@@ -17,14 +17,14 @@ pytestmark = pytest.mark.server
 def test_demo_answers_and_prints_benchmark_table(tmp_path: Path) -> None:
     result = subprocess.run(
         ["bash", str(ROOT / "scripts" / "demo.sh"), "--output-dir", str(tmp_path),
-         "--num-requests", "8", "--concurrency", "2", "--input-len", "64", "--output-len", "16"],
+         "--num-requests", "4", "--concurrency", "2", "--input-len", "64", "--output-len", "16"],
         capture_output=True, text=True, timeout=1200,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     answer = next(line for line in result.stdout.splitlines() if line.startswith("[demo] A:"))
     assert "Paris" in answer
     assert "Requests per minute (QPM)" in result.stdout and "Completed / errors" in result.stdout
-    assert "8 / 0" in result.stdout
+    assert "4 / 0" in result.stdout
     assert (tmp_path / "bench-summary.json").is_file()
     assert "[demo] servers and router stopped" in result.stdout
     assert "OmniProxy (oas, PD mode) in front" in result.stdout
