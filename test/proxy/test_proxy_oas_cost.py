@@ -262,7 +262,10 @@ def test_observed_delay_bounds_its_open_bookings() -> None:
     delays = ObservedDelay(max_open=3)
     for i in range(10):
         delays.released(str(i), 0.0, 0.0)
-    assert len(delays._open) == 3 and set(delays._open) == {"7", "8", "9"}
+    assert delays.booked == 3
+    for i in range(10):
+        delays.done(str(i), 1.0)
+    assert list(delays.recent) == [1.0, 1.0, 1.0]  # only the three newest were kept
 
 
 def test_oas_learns_the_release_to_prefill_delay_and_judges_lateness_with_it() -> None:
@@ -284,12 +287,20 @@ def test_oas_learns_the_release_to_prefill_delay_and_judges_lateness_with_it() -
         failed = RouteRequest("failed", 64, 8)
         assert (await policy.schedule(failed, [p])).worker is p
         policy.on_complete(failed, p, False)
-        assert len(policy.delays.recent) == 10 and policy.delays._open == {}
-        policy.delays.recent.extend([1.5] * 10)  # instances now answer 1.5 s late
+        assert len(policy.delays.recent) == 10 and policy.delays.booked == 0
+        for i in range(10):  # instances now answer 1.5 s late
+            policy.delays.released(f"slow{i}", 0.0, 0.0)
+            policy.delays.done(f"slow{i}", 1.5)
         now = policy.now()
         old = Waiting("old", 64, 0.01, now - 1.0)  # 1.0 + 1.5 > 2: late
         young = Waiting("young", 64, 0.01, now - 0.1)
-        policy.delays._value = None
         assert [w.key for w in policy.queue.order([old, young], now)] == ["young", "old"]
 
     asyncio.run(run())
+
+
+def test_the_shipped_oas_books_no_delays() -> None:
+    """Only the variants that judge lateness with the measured delay pay for measuring it."""
+    policy = create_policy("oas", PolicyContext(RouterConfig(oas_ttft_slo_secs=2.0),
+                                                PrefixIndex(), Role.PREFILL))
+    assert policy.delays is None

@@ -305,6 +305,11 @@ class ObservedDelay:
     def forget(self, key: str) -> None:
         self._open.pop(key, None)
 
+    @property
+    def booked(self) -> int:
+        """Requests released and not yet closed."""
+        return len(self._open)
+
     def value(self) -> float:
         if self._value is None:
             if len(self.recent) < self.min_samples:

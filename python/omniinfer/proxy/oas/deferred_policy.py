@@ -71,13 +71,15 @@ class DeferringPolicy(Policy):
     uses_prefix = False
     lpt: bool = True  # decode: longest first within a tick (False: arrival order)
     decode_output_weight: float = 1.0  # LPT weight = prompt + w·max_tokens (upstream's form)
+    late_observed: bool = False  # measure release-to-prefill delays ("late" judged with them)
 
     def __init__(self, context: PolicyContext) -> None:
         super().__init__(context)
         self.rng = random.Random()
         self.clocks: dict[str, InstanceClock] = {}
         self.workers: dict[str, Worker] = {}
-        self.delays = ObservedDelay()  # release to prefill end, beyond the predicted compute
+        # release to prefill end beyond the predicted compute; booked only where it is used
+        self.delays = ObservedDelay() if self.late_observed else None
         self.queue = self.make_queue()
         self._timer: asyncio.TimerHandle | None = None
         self._decode_pending: list[_DecodeWait] = []
@@ -172,23 +174,26 @@ class DeferringPolicy(Policy):
     def _book(self, release: Release) -> None:
         held: Held = release.item.payload
         worker = held.allowed[release.instance.key]
-        clock, uncached = self.clock(worker), held.request.uncached_tokens(worker)
-        clock.on_sent(held.request.request_id, uncached, self.now())
-        self.delays.released(held.request.request_id, self.now(),
-                             clock.model.predict([max(1, uncached)]))
+        clock, uncached, now = self.clock(worker), held.request.uncached_tokens(worker), self.now()
+        clock.on_sent(held.request.request_id, uncached, now)
+        if self.delays is not None:
+            self.delays.released(held.request.request_id, now,
+                                 clock.model.predict([max(1, uncached)]))
         self.released[release.reason] = self.released.get(release.reason, 0) + 1
         if not held.future.done():
             held.future.set_result(Decision(worker, release.reason))
         else:  # the client left between the decision and now: nothing was sent
-            self.clock(worker).on_failed(held.request.request_id)
-            self.delays.forget(held.request.request_id)
+            clock.on_failed(held.request.request_id)
+            if self.delays is not None:
+                self.delays.forget(held.request.request_id)
 
     # ---- hooks ------------------------------------------------------------------------------
     def on_prefill_done(self, request: RouteRequest, worker: Worker, seconds: float) -> None:
         clock = self.clocks.get(worker.url)
         if clock is not None:
             clock.on_done(request.request_id, self.now())
-        self.delays.done(request.request_id, self.now())
+        if self.delays is not None:
+            self.delays.done(request.request_id, self.now())
         self._pump()
 
     def on_complete(self, request: RouteRequest, worker: Worker, ok: bool) -> None:
@@ -199,10 +204,12 @@ class DeferringPolicy(Policy):
         if clock is not None and request.request_id in clock.sent:
             if ok:  # regular mode: no separate prefill event, the answer closes it
                 clock.on_done(request.request_id, self.now())
-                self.delays.done(request.request_id, self.now())
+                if self.delays is not None:
+                    self.delays.done(request.request_id, self.now())
             else:
                 clock.on_failed(request.request_id)
-        self.delays.forget(request.request_id)
+        if self.delays is not None:
+            self.delays.forget(request.request_id)
         self._pump()
 
     def on_loads(self, worker: Worker) -> None:

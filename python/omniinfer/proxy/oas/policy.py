@@ -73,7 +73,6 @@ class OASPolicy(DeferringPolicy):
     queue_batches: ClassVar[float] = 2.0  # an instance is short of work below this many batches
     slo_rule: ClassVar[str] = "first"  # "first": slo_first; "sacrifice": Moore–Hodgson
     late_with_queue: ClassVar[bool] = False  # "late" counts the soonest instance's queue
-    late_observed: ClassVar[bool] = False  # "late" adds the measured release-to-prefill delay
     bound_cycles: ClassVar[float | None] = None  # None: --oas-hold-bound-cycles' value (32)
     adaptive_threshold: ClassVar[float] = 0.5  # load_adaptive: drain time / objective
     adaptive_calm: ClassVar[float | None] = 0.05  # load_adaptive: back to aging below this
@@ -139,6 +138,7 @@ class OASPolicy(DeferringPolicy):
     def _observed_delay(self, now: float) -> float:
         """What recent requests spent between release and the end of their prefill beyond
         their own predicted compute (a high quantile, ``ObservedDelay``)."""
+        assert self.delays is not None  # late_observed makes it
         return self.delays.value()
 
     def _starved(self, inst: Instance, now: float) -> bool:
