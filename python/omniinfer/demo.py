@@ -9,6 +9,10 @@ the servers' and the router's own reports: the decode server's compressed KV and
 saving, the placement imbalance before and after and the migrations adopted, OAS's decisions.
 
 Every process it starts runs in its own process group and is stopped on exit, also on Ctrl-C.
+With ``--attach ROUTER_URL`` it starts nothing: the answer, the table and the lines run against
+a system already serving (``omniinfer deploy FILE``; ``--deployment`` then names that file, for
+its model's tokenizer), whose prefill and decode servers are read from the router's
+``/list_workers``; the system is left running.
 """
 
 from __future__ import annotations
@@ -28,6 +32,36 @@ from omniinfer.bench.workloads import WorkloadSpec, text_corpus
 
 DEPLOYMENT = Path("deploy") / "omni-1p1d-cpu.yaml"
 QUESTION = "What is the capital of France? Answer in one short sentence."
+MAX_WORKER_LIST_BYTES = 1 << 20  # /list_workers of a 1P1D system is about 1 KiB
+
+
+def attached_servers(router_url: str) -> tuple[str, str]:
+    """(prefill URL, decode URL): the first of each role in the router's ``/list_workers``.
+    Raises ValueError naming what is wrong when the answer is too large, not JSON, or lacks a
+    prefill or a decode worker with an ``http(s)://`` URL."""
+    with urllib.request.urlopen(f"{router_url}/list_workers", timeout=30) as response:
+        raw = response.read(MAX_WORKER_LIST_BYTES + 1)
+    if len(raw) > MAX_WORKER_LIST_BYTES:
+        raise ValueError(f"{router_url}/list_workers answered more than "
+                         f"{MAX_WORKER_LIST_BYTES} bytes")
+    try:
+        described = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{router_url}/list_workers is not JSON: {exc}") from None
+    workers = described.get("workers") if isinstance(described, dict) else described
+    found: dict[str, str] = {}
+    for worker in workers if isinstance(workers, list) else []:
+        if not isinstance(worker, dict):
+            continue
+        url, role = worker.get("url"), worker.get("role")
+        if (isinstance(url, str) and url.startswith(("http://", "https://"))
+                and role in ("prefill", "decode")):
+            found.setdefault(role, url.rstrip("/"))
+    missing = [role for role in ("prefill", "decode") if role not in found]
+    if missing:
+        raise ValueError(f"{router_url}/list_workers names no {' and no '.join(missing)} "
+                         "server: --attach needs a PD system")
+    return found["prefill"], found["decode"]
 
 
 def chat(base_url: str, question: str, max_tokens: int = 48) -> str:
@@ -56,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--deployment", type=Path, default=DEPLOYMENT,
                         help="the deployment file to start (default: %(default)s)")
+    parser.add_argument("--attach", metavar="ROUTER_URL",
+                        help="start nothing: run against the system this OmniProxy fronts "
+                        "(started by `omniinfer deploy FILE`) and leave it running")
     parser.add_argument("--output-dir", type=Path, default=Path("demo-output"))
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--num-requests", type=int, default=12)
@@ -69,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="goodput objective, seconds per output token (paper: 0.05)")
     args = parser.parse_args(argv)
 
-    from omniinfer.demo_report import attn_lines, oas_lines, placement_lines
     from omniinfer.deploy.local import Local
     from omniinfer.deploy.spec import DeployError, load
     from omniinfer.launch import free_port
@@ -80,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[demo] {exc}", file=sys.stderr)
         return 2
     args.model = Path(dep.model)
+    if args.attach:
+        return _attached(args.attach.rstrip("/"), dep.router.prefill_policy, args)
     system = Local(dep, args.output_dir, router_port=free_port())
     print(f"[demo] starting {args.deployment}: {dep.prefill.count} prefill and "
           f"{dep.decode.count} decode SGLang server(s) on {args.model.name}, OmniProxy "
@@ -91,14 +129,36 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[demo]   {line}")
         print(f"[demo] OmniProxy ({dep.router.prefill_policy}, PD mode) in front at "
               f"{system.router.base_url}", flush=True)
-        failed = _ask_and_benchmark(system.router.base_url, args)
         prefill = next(p.base_url for s, p in system.servers if s.role == "prefill")
         decode = next(p.base_url for s, p in system.servers if s.role == "decode")
-        for line in [*attn_lines(prefill, decode), *placement_lines(decode),
-                     *oas_lines(system.router.base_url)]:
-            print(f"[demo] {line}")
+        failed = _ask_benchmark_and_report(system.router.base_url, prefill, decode, args)
     print("[demo] servers and router stopped")
     return 1 if failed else 0
+
+
+def _attached(router_url: str, policy: str, args: argparse.Namespace) -> int:
+    """The demo against a system already serving behind ``router_url``; nothing is stopped."""
+    try:
+        prefill, decode = attached_servers(router_url)
+    except (ValueError, OSError) as exc:
+        print(f"[demo] --attach: {exc}", file=sys.stderr)
+        return 2
+    print(f"[demo] attached to OmniProxy ({policy}, PD mode) in front at {router_url}: "
+          f"prefill {prefill}, decode {decode}", flush=True)
+    failed = _ask_benchmark_and_report(router_url, prefill, decode, args)
+    print("[demo] attached system left running")
+    return 1 if failed else 0
+
+
+def _ask_benchmark_and_report(router_url: str, prefill: str, decode: str,
+                              args: argparse.Namespace) -> list[object]:
+    """The answer and the table through the router, then a line per technique."""
+    from omniinfer.demo_report import attn_lines, oas_lines, placement_lines
+
+    failed = _ask_and_benchmark(router_url, args)
+    for line in [*attn_lines(prefill, decode), *placement_lines(decode), *oas_lines(router_url)]:
+        print(f"[demo] {line}")
+    return failed
 
 
 def _ask_and_benchmark(base_url: str, args: argparse.Namespace) -> list[object]:
