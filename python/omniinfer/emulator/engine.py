@@ -32,7 +32,7 @@ import itertools
 import time
 from collections.abc import Callable
 
-from omniinfer.emulator.base import PrefillItem
+from omniinfer.emulator.interfaces import PrefillItem
 from omniinfer.emulator.kv_pool import KVPool
 from omniinfer.emulator.profile import Profile
 from omniinfer.emulator.radix_cache import RadixCache

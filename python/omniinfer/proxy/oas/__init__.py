@@ -10,5 +10,5 @@
 - ``policy``: ``oas`` and its ablations and variants; ``shipped``: OmniInfer's shipped rules
   ``omni_default`` and ``omni_earliest_batch``.
 
-Every policy here registers itself with ``omniinfer.proxy.base.register_policy`` on import.
+Every policy here registers itself with ``omniinfer.proxy.policy_api.register_policy`` on import.
 """
