@@ -43,8 +43,8 @@ from typing import Any
 from tqdm import tqdm
 
 from omniinfer.bench.records import recorded_args
-from omniinfer.proxy.base import PolicyContext, RouteRequest, create_policy
 from omniinfer.proxy.config import RouterConfig
+from omniinfer.proxy.policy_api import PolicyContext, RouteRequest, create_policy
 from omniinfer.proxy.prefix import PrefixIndex
 from omniinfer.proxy.workers import Role, Worker, WorkerLoads
 

@@ -35,9 +35,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from omniinfer.emulator.kv_events import KvEventRecorder  # noqa: E402
+from omniinfer.emulator.kv_event_publisher import KvEventRecorder  # noqa: E402
 from omniinfer.emulator.radix_cache import RadixCache  # noqa: E402
-from omniinfer.kv_events import decode_batch, encode_batch  # noqa: E402
+from omniinfer.kv_event_wire import decode_batch, encode_batch  # noqa: E402
 from omniinfer.proxy.prefix import PrefixIndex  # noqa: E402
 from omniinfer.proxy.worker_cache_truth import WorkerCacheTruth  # noqa: E402
 

@@ -92,8 +92,8 @@ def echo_app(api_key: str | None = None, kv_port: int | None = None,
     cache: EchoCache | None = None
     publisher: Any = None
     if kv_port is not None:
-        from omniinfer.emulator.kv_events import ZmqKvEventPublisher
-        from omniinfer.kv_events import parse_kv_events_config
+        from omniinfer.emulator.kv_event_publisher import ZmqKvEventPublisher
+        from omniinfer.kv_event_wire import parse_kv_events_config
 
         raw = json.dumps({"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{kv_port}",
                           "bind": True})

@@ -208,8 +208,8 @@ class OmniConfig:
         if self.omni_attn_context is not None and self.omni_attn_pattern is None:
             raise OmniFlagError("--omni-attn-context: needs --omni-attn-pattern")
         if self.omni_placement_window is not None:
-            from omniinfer.placement.base import PlacementError
             from omniinfer.placement.dynamic import window_args  # NumPy only
+            from omniinfer.placement.layout import PlacementError
 
             try:
                 window_args(self.omni_placement_predictor, self.omni_placement_window)

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from omniinfer.emulator.base import PrefillItem
 from omniinfer.emulator.engine import EmulatedEngine, EmuRequest
+from omniinfer.emulator.interfaces import PrefillItem
 from omniinfer.emulator.profile import (
     Capacity,
     CostCoefficients,

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import yaml
 
-from omniinfer.emulator.base import PrefillItem
 from omniinfer.emulator.engine import EmulatedEngine, EmuRequest
+from omniinfer.emulator.interfaces import PrefillItem
 from omniinfer.emulator.profile import (
     Capacity,
     CostCoefficients,

@@ -16,8 +16,8 @@ import pytest
 from emu_helpers import request, start_emulator
 
 from omniinfer.emulator import cli, status
-from omniinfer.emulator.base import PrefillItem
 from omniinfer.emulator.engine import EmulatedEngine, EmuRequest
+from omniinfer.emulator.interfaces import PrefillItem
 from omniinfer.emulator.profile import (
     Capacity,
     CostCoefficients,

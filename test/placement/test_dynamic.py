@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omniinfer.placement.base import PlacementError, layer_imbalance
 from omniinfer.placement.dynamic import (
     PREDICTORS,
     DynamicConfig,
@@ -14,6 +13,7 @@ from omniinfer.placement.dynamic import (
     register_predictor,
     repair_layer,
 )
+from omniinfer.placement.layout import PlacementError, layer_imbalance
 from omniinfer.placement.migration import experts_moved
 from omniinfer.placement.simulate import DriftConfig, drift_workload, run_policy
 from omniinfer.placement.static import plan_static

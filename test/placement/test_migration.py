@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from omniinfer.placement.base import Placement, PlacementError
+from omniinfer.placement.layout import Placement, PlacementError
 from omniinfer.placement.migration import (
     MigrationStep,
     align,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omniinfer.placement.base import PlacementError
+from omniinfer.placement.layout import PlacementError
 from omniinfer.placement.transfers import logical_counts, plan_slot_copies
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omniinfer.placement.base import Placement, PlacementError, replica_counts
+from omniinfer.placement.layout import Placement, PlacementError, replica_counts
 from omniinfer.placement.peer import eplb_plan
 from omniinfer.placement.static import (
     allocate_budget_by_imbalance,

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from omniinfer.flags import OmniConfig, OmniFlagError
-from omniinfer.placement.base import Placement
 from omniinfer.placement.dynamic import PREDICTORS, DynamicPlanner
+from omniinfer.placement.layout import Placement
 
 SKEWED = np.array([[1.0, 1.0, 1.0, 10.0]] * 2)
 

@@ -8,9 +8,9 @@ import random
 import msgspec
 import pytest
 
-from omniinfer.emulator.kv_events import KvEventRecorder
+from omniinfer.emulator.kv_event_publisher import KvEventRecorder
 from omniinfer.emulator.radix_cache import RadixCache
-from omniinfer.kv_events import (
+from omniinfer.kv_event_wire import (
     Batch,
     ProtocolError,
     Removed,

@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 import msgspec
 import pytest
 
-from omniinfer.kv_events import Batch, ProtocolError, Removed, Stored, decode_batch
-from omniinfer.load_feed import LoadStat, decode_load, encode_load
+from omniinfer.kv_event_wire import Batch, ProtocolError, Removed, Stored, decode_batch
+from omniinfer.load_feed_wire import LoadStat, decode_load, encode_load
 from omniinfer.proxy import worker_cache_truth
 from omniinfer.proxy.control import WarningLimiter
 from omniinfer.proxy.prefix import ROOT_HASH, PrefixIndex, block_hashes, chain_hash
@@ -150,7 +150,7 @@ def test_load_figures_from_the_feed_are_bounded() -> None:
 
     import zmq.asyncio
 
-    from omniinfer.proxy.load_feed import WorkerFeed
+    from omniinfer.proxy.load_subscriber import WorkerFeed
 
     big = (1 << 64) - 1
     payload = msgspec.msgpack.encode(["LoadStat", big, big, big, 1, 0, big, big, big, big, big])

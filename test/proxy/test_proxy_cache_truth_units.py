@@ -9,9 +9,9 @@ import msgspec
 import pytest
 from sglang.srt.disaggregation import kv_events as sglang_kv
 
-from omniinfer.emulator.kv_events import KvEventRecorder, token_hashes
+from omniinfer.emulator.kv_event_publisher import KvEventRecorder, token_hashes
 from omniinfer.emulator.radix_cache import RadixCache
-from omniinfer.kv_events import (
+from omniinfer.kv_event_wire import (
     Batch,
     Cleared,
     Removed,

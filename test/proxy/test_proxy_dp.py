@@ -13,9 +13,8 @@ import pytest
 from aiohttp import web
 from router_inproc import ScriptedWorker, router_for
 
-from omniinfer.load_feed import LoadStat
+from omniinfer.load_feed_wire import LoadStat
 from omniinfer.proxy.attempt import Booking
-from omniinfer.proxy.base import Decision, PolicyContext, RouteRequest, create_policy
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.core import Router
 from omniinfer.proxy.dp import (
@@ -25,7 +24,8 @@ from omniinfer.proxy.dp import (
     least_loaded_rank,
     rank_fields,
 )
-from omniinfer.proxy.load_feed import RankFeed, merged_loads
+from omniinfer.proxy.load_subscriber import RankFeed, merged_loads
+from omniinfer.proxy.policy_api import Decision, PolicyContext, RouteRequest, create_policy
 from omniinfer.proxy.prefix import PrefixIndex
 from omniinfer.proxy.request import Request
 from omniinfer.proxy.workers import MAX_DP_RANKS, Role, Worker, WorkerLoads

@@ -20,11 +20,11 @@ import zmq
 import zmq.asyncio
 
 from omni_testing import eventually
-from omniinfer.kv_events import BlockRemoved, BlockStored, encode_batch, seq_bytes
+from omniinfer.kv_event_wire import BlockRemoved, BlockStored, encode_batch, seq_bytes
 from omniinfer.launch import free_port
-from omniinfer.load_feed import LoadStat, encode_load
+from omniinfer.load_feed_wire import LoadStat, encode_load
 from omniinfer.proxy.cache_truth import KvLimits, Source, WorkerSubscription
-from omniinfer.proxy.load_feed import WorkerFeed
+from omniinfer.proxy.load_subscriber import WorkerFeed
 from omniinfer.proxy.prefix import PrefixIndex
 from omniinfer.proxy.worker_cache_truth import RUN_CHARGE, WorkerCacheTruth
 from omniinfer.proxy.workers import Role, Worker
@@ -367,7 +367,7 @@ def test_a_silent_load_feed_gets_a_fresh_socket_and_hears_a_late_publisher(
     """ZMQ does not redial after a protocol error (an oversized reading), so a rank silent for
     ``RESUBSCRIBE_AFTER_S`` gets a fresh socket: no failure, and a publisher that (re)starts
     later is heard."""
-    from omniinfer.proxy import load_feed as router_feed
+    from omniinfer.proxy import load_subscriber as router_feed
 
     monkeypatch.setattr(router_feed, "RESUBSCRIBE_AFTER_S", 0.2)
 

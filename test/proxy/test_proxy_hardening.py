@@ -219,8 +219,8 @@ def test_a_worker_cookie_is_not_replayed_on_other_clients_requests() -> None:
 
     from omniinfer.proxy.config import RouterConfig
     from omniinfer.proxy.core import Router
-    from omniinfer.proxy.upstream import post as upstream_post
-    from omniinfer.proxy.upstream import read_all
+    from omniinfer.proxy.worker_http import post as upstream_post
+    from omniinfer.proxy.worker_http import read_all
 
     async def run() -> list[str | None]:
         seen: list[str | None] = []

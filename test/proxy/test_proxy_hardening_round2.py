@@ -17,7 +17,7 @@ from aiohttp import web
 from router_inproc import ScriptedWorker, raw_exchange, router_for
 
 from omniinfer.net import is_loopback
-from omniinfer.proxy.auth import Guard
+from omniinfer.proxy.auth import AccessControl
 from omniinfer.proxy.workers import normalize_url
 
 SLOW_S = 1.2
@@ -81,13 +81,13 @@ def test_a_large_body_with_a_slow_answer_is_not_cut_at_the_head_timeout() -> Non
 
 
 def test_user_keys_have_no_admin_powers_once_control_plane_keys_exist() -> None:
-    guard = Guard("sk-W", ["u1:app:user:sk-user"])
+    access = AccessControl("sk-W", ["u1:app:user:sk-user"])
     for path in ("/add_worker", "/remove_worker", "/flush_cache", "/list_workers"):
         for key in ("sk-user", "sk-W"):  # from loopback too (a reverse proxy on the host)
-            denied, _ = guard.check(_request(path, key=key))
+            denied, _ = access.check(_request(path, key=key))
             assert denied is not None and denied.status == 403, (path, key)
-        assert guard.check(_request(path))[0].status == 401
-    assert guard.check(_request("/generate", key="sk-user"))[0] is None
+        assert access.check(_request(path))[0].status == 401
+    assert access.check(_request("/generate", key="sk-user"))[0] is None
 
 
 def _request(path: str, key: str | None = None, remote: str = "127.0.0.1") -> Any:

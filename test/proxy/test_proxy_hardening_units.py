@@ -14,9 +14,8 @@ from unittest import mock
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
-from omniinfer.kv_events import Batch, Stored
-from omniinfer.proxy.auth import Guard, parse_control_plane_keys
-from omniinfer.proxy.base import PolicyContext, RouteRequest, create_policy
+from omniinfer.kv_event_wire import Batch, Stored
+from omniinfer.proxy.auth import AccessControl, parse_control_plane_keys
 from omniinfer.proxy.cache_truth import (
     NoEvents,
     Source,
@@ -26,6 +25,7 @@ from omniinfer.proxy.cache_truth import (
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.core import Router
 from omniinfer.proxy.metrics import AccessLog, ProxyMetrics
+from omniinfer.proxy.policy_api import PolicyContext, RouteRequest, create_policy
 from omniinfer.proxy.prefix import ROOT_HASH, PrefixIndex, chain_hash
 from omniinfer.proxy.tokenization import Tokenizer
 from omniinfer.proxy.worker_cache_truth import WorkerCacheTruth
@@ -51,28 +51,29 @@ def _request(path: str, method: str = "POST", remote: str = "127.0.0.1",
 
 
 def test_admin_routes_answer_loopback_only_without_an_admin_key() -> None:
-    guard = Guard(None, [])
+    access = AccessControl(None, [])
     for path in ("/add_worker", "/remove_worker", "/flush_cache"):
-        assert guard.check(_request(path, remote="10.1.2.3"))[0].status == 403
-        assert guard.check(_request(path, remote="127.0.0.1"))[0] is None
-        assert guard.check(_request(path, remote="::1"))[0] is None
-    assert guard.check(_request("/generate", remote="10.1.2.3"))[0] is None  # no key: open
+        assert access.check(_request(path, remote="10.1.2.3"))[0].status == 403
+        assert access.check(_request(path, remote="127.0.0.1"))[0] is None
+        assert access.check(_request(path, remote="::1"))[0] is None
+    assert access.check(_request("/generate", remote="10.1.2.3"))[0] is None  # no key: open
 
 
 def test_api_key_and_control_plane_roles() -> None:
-    guard = Guard("sk-data", ["a1:ops:admin:sk-admin", "u1:app:user:sk-user"], audit=True)
-    denied, _ = guard.check(_request("/generate"))
+    access = AccessControl("sk-data", ["a1:ops:admin:sk-admin", "u1:app:user:sk-user"],
+                           audit=True)
+    denied, _ = access.check(_request("/generate"))
     assert denied is not None and denied.status == 401
     for key in ("sk-data", "sk-user", "sk-admin"):  # every key may use the data plane
-        assert guard.check(_request("/generate", key=key))[0] is None
-    assert guard.check(_request("/generate", key="sk-wrong"))[0].status == 401
-    assert guard.check(_request("/health"))[0] is None  # health stays open
-    assert guard.check(_request("/metrics", "GET"))[0].status == 401  # it names the workers
-    assert guard.check(_request("/metrics", "GET", key="sk-user"))[0] is None
-    assert guard.check(_request("/add_worker", key="sk-user"))[0].status == 403
-    assert guard.check(_request("/add_worker", key="sk-data"))[0].status == 403
-    assert guard.check(_request("/add_worker"))[0].status == 401
-    allowed, who = guard.check(_request("/add_worker", remote="10.1.2.3", key="sk-admin"))
+        assert access.check(_request("/generate", key=key))[0] is None
+    assert access.check(_request("/generate", key="sk-wrong"))[0].status == 401
+    assert access.check(_request("/health"))[0] is None  # health stays open
+    assert access.check(_request("/metrics", "GET"))[0].status == 401  # it names the workers
+    assert access.check(_request("/metrics", "GET", key="sk-user"))[0] is None
+    assert access.check(_request("/add_worker", key="sk-user"))[0].status == 403
+    assert access.check(_request("/add_worker", key="sk-data"))[0].status == 403
+    assert access.check(_request("/add_worker"))[0].status == 401
+    allowed, who = access.check(_request("/add_worker", remote="10.1.2.3", key="sk-admin"))
     assert allowed is None and who is not None and (who.key_id, who.role) == ("a1", "admin")
     with pytest.raises(ValueError):
         parse_control_plane_keys(["a1:ops:root:k"])

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import zmq.asyncio
 
-from omniinfer.kv_events import BlockStored, encode_batch
+from omniinfer.kv_event_wire import BlockStored, encode_batch
 from omniinfer.proxy import cache_truth
 from omniinfer.proxy.cache_truth import KvLimits, Source, WorkerSubscription
 from omniinfer.proxy.prefix import PrefixIndex
@@ -121,7 +121,7 @@ def test_what_a_worker_advertises_is_shortened_in_reasons() -> None:
     """A 1 MiB ``dp_size`` or endpoint host in ``/server_info`` must not become a 1 MiB log
     line and ``/list_workers`` reason."""
     from omniinfer.proxy.kv_sources import NoEvents, dial_rank, sources_from_server_info
-    from omniinfer.proxy.load_feed import NoFeed, feed_endpoints
+    from omniinfer.proxy.load_subscriber import NoFeed, feed_endpoints
 
     huge = "x" * (1 << 20)
     reasons = []

@@ -7,7 +7,6 @@ import random
 
 import pytest
 
-from omniinfer.proxy.base import PolicyContext, RouteRequest, create_policy
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.oas.cost import (
     MIN_SEED_TOKENS,
@@ -19,6 +18,7 @@ from omniinfer.proxy.oas.cost import (
 )
 from omniinfer.proxy.oas.deferred_queue import Waiting
 from omniinfer.proxy.oas.policy import OASJitOnly, OASPolicy
+from omniinfer.proxy.policy_api import PolicyContext, RouteRequest, create_policy
 from omniinfer.proxy.prefix import PrefixIndex
 from omniinfer.proxy.workers import Role, Worker
 
@@ -171,8 +171,8 @@ def test_no_defer_sends_to_a_busy_instance_at_once_where_oas_holds() -> None:
     sends it there at once."""
     import asyncio
 
-    from omniinfer.proxy.base import RouteRequest
     from omniinfer.proxy.oas.policy import OASNoDefer
+    from omniinfer.proxy.policy_api import RouteRequest
     from omniinfer.proxy.workers import Worker
 
     async def second(cls: type[OASPolicy]) -> tuple[int, bool]:

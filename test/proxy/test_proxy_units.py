@@ -14,7 +14,10 @@ from typing import Any
 import pytest
 
 from omniinfer.proxy.admission import Admission, Rejected
-from omniinfer.proxy.base import (
+from omniinfer.proxy.circuit import BreakerState, CircuitBreaker
+from omniinfer.proxy.cli import add_arguments, resolve
+from omniinfer.proxy.config import RouterConfig, config_from_args, parse_prefill
+from omniinfer.proxy.policy_api import (
     Decision,
     Policy,
     PolicyContext,
@@ -24,9 +27,6 @@ from omniinfer.proxy.base import (
     least_loaded,
     register_policy,
 )
-from omniinfer.proxy.circuit import BreakerState, CircuitBreaker
-from omniinfer.proxy.cli import add_arguments, resolve
-from omniinfer.proxy.config import RouterConfig, config_from_args, parse_prefill
 from omniinfer.proxy.prefix import PrefixIndex, block_hashes
 from omniinfer.proxy.request import PHASE_NAMES, Lifecycle, Phase
 from omniinfer.proxy.tokenization import (

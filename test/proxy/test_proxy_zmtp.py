@@ -359,7 +359,7 @@ def test_the_routers_readers_drop_an_endless_message_and_redial() -> None:
     each connection is cut at the frame bound, counted as a disconnect (not a failure), and
     dialled again; memory stays small."""
     from omniinfer.proxy.cache_truth import Source, WorkerSubscription
-    from omniinfer.proxy.load_feed import WorkerFeed
+    from omniinfer.proxy.load_subscriber import WorkerFeed
     from omniinfer.proxy.prefix import PrefixIndex
     from omniinfer.proxy.worker_cache_truth import WorkerCacheTruth
     from omniinfer.proxy.workers import Role, Worker

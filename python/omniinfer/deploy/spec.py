@@ -178,7 +178,7 @@ def _router(m: _Mapping) -> RouterSpec:
     decode = m.take("decode_policy", str, default=policy)
     args = m.take_args("args")
     m.done()
-    from omniinfer.proxy.base import available_policies
+    from omniinfer.proxy.policy_api import available_policies
 
     known = available_policies()
     for key, name in (("prefill_policy", prefill), ("decode_policy", decode)):

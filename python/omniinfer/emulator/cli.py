@@ -11,8 +11,8 @@ from typing import Any
 from omniinfer.emulator.faults import FaultError, Faults
 from omniinfer.emulator.profile import Profile, ProfileError, load_profile, shipped_profiles
 from omniinfer.emulator.sparse import MOE_MODELS, PLACEMENTS, AttnPattern, MoeConfig
-from omniinfer.kv_events import parse_kv_events_config
-from omniinfer.load_feed import DECODE_PUBLISH_INTERVAL, resolve_load_endpoint
+from omniinfer.kv_event_wire import parse_kv_events_config
+from omniinfer.load_feed_wire import DECODE_PUBLISH_INTERVAL, resolve_load_endpoint
 
 # --moe-<field> and --attn-<field> flags: each overrides the profile's moe / attn_pattern value
 MOE_HELP = {

@@ -32,7 +32,7 @@ import itertools
 import time
 from collections.abc import Callable
 
-from omniinfer.emulator.base import PrefillItem
+from omniinfer.emulator.interfaces import PrefillItem
 from omniinfer.emulator.kv_pool import KVPool
 from omniinfer.emulator.profile import Profile
 from omniinfer.emulator.radix_cache import RadixCache
@@ -152,7 +152,6 @@ class EmulatedEngine:
 
     def _register(self, request: EmuRequest) -> None:
         request.received_ts = request.received_ts or self.clock()
-        request.model_arrival = self.model_time
         request._seed = hash(tuple(request.input_ids[:64])) & 0x7FFFFFFF
         self._by_rid[request.rid] = request
         self.stats.num_requests_total += 1
@@ -174,7 +173,6 @@ class EmulatedEngine:
             targets = []
         for request in targets:
             self._finish(request, {"type": "abort", "message": "Abort request " + request.rid})
-            self.stats.num_aborted_total += 1
         return len(targets)
 
     def flush_cache(self) -> bool:

@@ -2,7 +2,7 @@
 
 ``--load-publish-endpoint`` (with ``--kv-events-config``): one PUB socket bound on the resolved
 base port (the emulator is one DP rank), frames ``[b"load", seq, LoadStat]`` (wire format in
-``omniinfer.load_feed``). The engine calls :meth:`LoadPublisher.after_pass` after every pass:
+``omniinfer.load_feed_wire``). The engine calls :meth:`LoadPublisher.after_pass` after every pass:
 a prefill pass publishes, a decode pass every ``decode_interval``-th time. A watcher task covers
 what passes do not: between passes (work waiting with none running, or idle) it publishes a
 changed reading within ``STALL_REFRESH_S``; an unchanged one is sent again once per
@@ -21,8 +21,8 @@ from typing import Any
 
 import zmq
 
-from omniinfer.kv_events import seq_bytes
-from omniinfer.load_feed import (
+from omniinfer.kv_event_wire import seq_bytes
+from omniinfer.load_feed_wire import (
     DECODE_PUBLISH_INTERVAL,
     HEARTBEAT_S,
     LOAD_TOPIC,

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from omniinfer.emulator.base import CostModel, PrefillItem
+from omniinfer.emulator.interfaces import CostModel, PrefillItem
 from omniinfer.emulator.sparse import AttnPattern, MoeConfig
 
 

@@ -16,10 +16,10 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from omniinfer.emulator.base import BasePrefixCache, CacheSize, MatchResult
+from omniinfer.emulator.interfaces import BasePrefixCache, CacheSize, MatchResult
 
 if TYPE_CHECKING:
-    from omniinfer.emulator.kv_events import KvEventRecorder
+    from omniinfer.emulator.kv_event_publisher import KvEventRecorder
 
 
 class _Node:

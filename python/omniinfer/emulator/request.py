@@ -29,8 +29,7 @@ class EmuRequest:
     forward_entry_ts: float | None = None
     first_token_ts: float | None = None
     finished_ts: float | None = None
-    model_arrival: float = 0.0  # engine model clock
-    model_first_token: float | None = None
+    model_first_token: float | None = None  # engine model clock
     model_finished: float | None = None
     transfer_s: float = 0.0  # decode mode: KV transfer time (model seconds)
     first_token: int | None = None  # decode mode: the token the prefill produced

@@ -26,15 +26,15 @@ from omniinfer.emulator import protocol as proto
 from omniinfer.emulator import status
 from omniinfer.emulator.engine import EmulatedEngine
 from omniinfer.emulator.faults import FaultError, Faults, RequestLog
-from omniinfer.emulator.kv_events import ZmqKvEventPublisher
+from omniinfer.emulator.kv_event_publisher import ZmqKvEventPublisher
 from omniinfer.emulator.load_publisher import LoadPublisher
 from omniinfer.emulator.metrics import WorkerMetrics
 from omniinfer.emulator.pd import bootstrap_app, pull_kv
 from omniinfer.emulator.profile import Profile
 from omniinfer.emulator.protocol import BadRequest, validation_error
 from omniinfer.emulator.request import EmuRequest
-from omniinfer.kv_events import parse_kv_events_config
-from omniinfer.load_feed import DECODE_PUBLISH_INTERVAL, resolve_load_endpoint
+from omniinfer.kv_event_wire import parse_kv_events_config
+from omniinfer.load_feed_wire import DECODE_PUBLISH_INTERVAL, resolve_load_endpoint
 
 logger = logging.getLogger("omniinfer.emulator")
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST

@@ -61,8 +61,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from omniinfer.placement.base import Placement
 from omniinfer.placement.dynamic import DynamicConfig
+from omniinfer.placement.layout import Placement
 from omniinfer.placement.loads import read_domain_counts
 from omniinfer.placement.simulate import (
     EXPERT_BYTES,

@@ -64,7 +64,6 @@ class EngineStats:
     generation_tokens_total: int = 0
     cached_tokens_total: int = 0
     num_requests_total: int = 0
-    num_aborted_total: int = 0
     num_retractions_total: int = 0
     prefill_passes: int = 0
     decode_steps: int = 0

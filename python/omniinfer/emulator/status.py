@@ -15,10 +15,10 @@ from importlib import resources
 from typing import Any
 
 from omniinfer.emulator.engine import EmulatedEngine
-from omniinfer.emulator.kv_events import server_info_block
+from omniinfer.emulator.kv_event_publisher import server_info_block
 from omniinfer.emulator.profile import Profile
-from omniinfer.kv_events import KvEventsConfig
-from omniinfer.load_feed import LOAD_TOPIC, LoadStat
+from omniinfer.kv_event_wire import KvEventsConfig
+from omniinfer.load_feed_wire import LOAD_TOPIC, LoadStat
 
 LOADS_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from omniinfer.placement.base import Placement, PlacementError, replica_counts
 from omniinfer.placement.dynamic import PREDICTORS, DynamicConfig
+from omniinfer.placement.layout import Placement, PlacementError, replica_counts
 from omniinfer.placement.loads import load_counts, read_domain_counts
 from omniinfer.placement.simulate import (
     EXPERT_BYTES,

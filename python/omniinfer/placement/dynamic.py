@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from omniinfer.placement.base import Placement, PlacementError, Predictor, layer_imbalance
+from omniinfer.placement.layout import Placement, PlacementError, Predictor, layer_imbalance
 from omniinfer.placement.migration import align, align_layer, experts_moved
 from omniinfer.placement.static import plan_layer
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from omniinfer.placement.base import PlacementError
+from omniinfer.placement.layout import PlacementError
 
 
 class CountsError(PlacementError):

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from omniinfer.placement.base import EMPTY, Placement, PlacementError
+from omniinfer.placement.layout import EMPTY, Placement, PlacementError
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import numpy as np
 
-from omniinfer.placement.base import Placement, PlacementError
+from omniinfer.placement.layout import Placement, PlacementError
 from omniinfer.sglang_plugin.internals import DEEPSEEK_REBALANCE, problem, source_file
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from omniinfer.placement.base import Placement, PlacementError
 from omniinfer.placement.dynamic import DynamicConfig, DynamicPlanner
+from omniinfer.placement.layout import Placement, PlacementError
 from omniinfer.placement.migration import align, experts_moved
 from omniinfer.placement.static import check_shape, plan_static
 

@@ -14,7 +14,7 @@ import heapq
 
 import numpy as np
 
-from omniinfer.placement.base import (
+from omniinfer.placement.layout import (
     EMPTY,
     Placement,
     PlacementError,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omniinfer.placement.base import PlacementError
+from omniinfer.placement.layout import PlacementError
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """OmniProxy: an SGLang-protocol router (regular and prefill/decode) with pluggable policies.
 
 Start it with ``python -m omniinfer.router`` or ``omniinfer router``; from Python, use
-:class:`omniinfer.proxy.process.RouterProcess`. Policies live in ``omniinfer.proxy.policies``,
-one file each, registered by name.
+:class:`omniinfer.proxy.process.RouterProcess`. Policies live in ``omniinfer.proxy.policies``
+(one file each) and ``omniinfer.proxy.oas`` (the deferring ones), registered by name with
+``omniinfer.proxy.policy_api``.
 """
 
 from __future__ import annotations

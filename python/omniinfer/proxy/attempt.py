@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from omniinfer.proxy.auth import error_response
-from omniinfer.proxy.base import Decision, RouteRequest
 from omniinfer.proxy.dp import assign_ranks, rank_fields
+from omniinfer.proxy.policy_api import Decision, RouteRequest
 from omniinfer.proxy.request import PD_PHASES, Phase, Request
-from omniinfer.proxy.upstream import UPSTREAM_PATHS, Passthrough, UpstreamFailure
+from omniinfer.proxy.worker_http import UPSTREAM_PATHS, Passthrough, UpstreamFailure
 from omniinfer.proxy.workers import Role, Worker
 
 if TYPE_CHECKING:

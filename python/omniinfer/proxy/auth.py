@@ -91,7 +91,7 @@ def parse_control_plane_keys(entries: list[str]) -> dict[bytes, Principal]:
     return out
 
 
-class Guard:
+class AccessControl:
     """Authentication, authorisation and audit for one router (an aiohttp middleware)."""
 
     def __init__(self, api_key: str | None, control_plane_keys: list[str],

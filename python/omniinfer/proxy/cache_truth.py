@@ -34,7 +34,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from omniinfer.kv_events import ProtocolError, decode_batch, seq_from
+from omniinfer.kv_event_wire import ProtocolError, decode_batch, seq_from
 from omniinfer.proxy import zmtp
 from omniinfer.proxy.control import FailureHook, OwnedTasks, Supervisor, WarningLimiter
 from omniinfer.proxy.kv_sources import (
@@ -344,7 +344,7 @@ class CacheTruth:
 
 def parse_endpoint_overrides(entries: list[str]) -> dict[str, list[str]]:
     """``URL=tcp://HOST:PORT`` entries (repeat a URL for its DP ranks, in rank order)."""
-    from omniinfer.kv_events import split_tcp
+    from omniinfer.kv_event_wire import split_tcp
     from omniinfer.proxy.workers import normalize_url
 
     out: dict[str, list[str]] = {}

@@ -18,7 +18,7 @@ class BreakerState(enum.IntEnum):
 
 class CircuitBreaker:
     __slots__ = ("enabled", "failure_threshold", "success_threshold", "open_secs", "state",
-                 "failures", "successes", "opened_at", "trips")
+                 "failures", "successes", "opened_at")
 
     def __init__(self, failure_threshold: int = 5, success_threshold: int = 2,
                  open_secs: float = 30.0, enabled: bool = True) -> None:
@@ -30,7 +30,6 @@ class CircuitBreaker:
         self.failures = 0
         self.successes = 0
         self.opened_at = 0.0
-        self.trips = 0
 
     def allows(self, now: float) -> bool:
         """May a request be sent now? Moves open → half-open once the open time has passed."""
@@ -53,8 +52,6 @@ class CircuitBreaker:
             return
         self.failures += 1
         if self.state == BreakerState.HALF_OPEN or self.failures >= self.failure_threshold:
-            if self.state != BreakerState.OPEN:
-                self.trips += 1
             self.state = BreakerState.OPEN
             self.opened_at = now
             self.successes = 0

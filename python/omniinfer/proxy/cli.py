@@ -285,7 +285,7 @@ def resolve_with_notes(args: argparse.Namespace) -> tuple[RouterConfig, list[str
     if refusals:
         raise RefusedFlags(refusals)
     config = config_from_args(argparse.Namespace(**values))
-    from omniinfer.proxy.base import available_policies
+    from omniinfer.proxy.policy_api import available_policies
 
     known = available_policies()
     for role in ("regular", "prefill", "decode"):

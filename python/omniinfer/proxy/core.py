@@ -1,7 +1,7 @@
 """Router state and its background work: workers, policies, prefix indexes, health, loads.
 
 A worker's loads come from polling ``/v1/loads`` or, when it advertises one, from SGLang's load
-feed (``load_feed.py``); either way the policy of its role hears of them (``on_loads``). The
+feed (``load_subscriber.py``); either way the policy of its role hears of them (``on_loads``). The
 per-request flow is in ``forward.py`` (one ``Request``, ``request.py``) and its attempts in
 ``attempt.py``, which alone books workers for a request and gives the bookings back; the two
 modes are the strategies in ``regular.py`` and ``pd.py``; HTTP routes in ``server.py``.
@@ -27,7 +27,6 @@ import orjson
 
 from omniinfer.proxy import discovery
 from omniinfer.proxy.admission import Admission, RateLimit
-from omniinfer.proxy.base import Policy, PolicyContext, create_policy
 from omniinfer.proxy.cache_truth import CacheTruth, KvLimits, parse_endpoint_overrides
 from omniinfer.proxy.circuit import CircuitBreaker
 from omniinfer.proxy.config import DEFAULT_REQUEST_ID_HEADERS, RouterConfig
@@ -36,8 +35,9 @@ from omniinfer.proxy.dp import learn_dp_size
 from omniinfer.proxy.drain import Drain
 from omniinfer.proxy.http1 import Http1Pool
 from omniinfer.proxy.listener import Listener
-from omniinfer.proxy.load_feed import LoadFeeds
+from omniinfer.proxy.load_subscriber import LoadFeeds
 from omniinfer.proxy.metrics import AccessLog, ProxyMetrics
+from omniinfer.proxy.policy_api import Policy, PolicyContext, create_policy
 from omniinfer.proxy.prefix import PrefixIndex, block_hashes
 from omniinfer.proxy.tls import worker_context
 from omniinfer.proxy.tokenization import (

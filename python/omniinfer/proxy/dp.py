@@ -33,7 +33,7 @@ import reprlib
 from collections.abc import Sequence
 from typing import Any
 
-from omniinfer.proxy.base import Decision
+from omniinfer.proxy.policy_api import Decision
 from omniinfer.proxy.workers import MAX_DP_RANKS, Role, Worker
 
 log = logging.getLogger("omniinfer.proxy")

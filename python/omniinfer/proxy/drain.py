@@ -7,7 +7,7 @@ on their own. Past that (or at once on a second signal) each one still running i
 handler task is cancelled and marked, and the handler gives it one terminal answer —
 
 - a stream already under way ends with one error event (``type: "shutdown"``) and
-  ``data: [DONE]`` (``upstream.pipe``);
+  ``data: [DONE]`` (``worker_http.pipe``);
 - a request with nothing sent yet gets a 503 JSON error (``forward.handle``);
 
 and its workers are told to abort it. A cancelled task not marked here is a client that went

@@ -9,8 +9,8 @@ with one error event.
 The router names each request on the workers with rids of its own (fixed length, so none is a
 prefix of another: SGLang aborts by prefix); the client's rid stays in the access log and in the
 ``X-Client-Rid`` header. The request is one ``Request`` (``request.py``); its attempts are
-``attempt.py``'s loop with the mode's strategy (``regular.py``, ``pd.py``); upstream I/O is in
-``upstream.py``.
+``attempt.py``'s loop with the mode's strategy (``regular.py``, ``pd.py``); the worker HTTP I/O
+is in ``worker_http.py``.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from aiohttp import web
 from omniinfer.proxy.admission import Rejected
 from omniinfer.proxy.attempt import route
 from omniinfer.proxy.auth import error_response
-from omniinfer.proxy.base import RouteRequest
 from omniinfer.proxy.core import Router
 from omniinfer.proxy.pd import PD
+from omniinfer.proxy.policy_api import RouteRequest
 from omniinfer.proxy.prefix import block_hashes
 from omniinfer.proxy.regular import Regular
 from omniinfer.proxy.request import Phase, Request

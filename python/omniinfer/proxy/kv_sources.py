@@ -15,7 +15,7 @@ import reprlib
 import time
 from typing import Any
 
-from omniinfer.kv_events import (
+from omniinfer.kv_event_wire import (
     END_OF_REPLAY,
     WILDCARD_HOSTS,
     ProtocolError,

@@ -70,8 +70,9 @@ class JsonErrors(web_protocol.RequestHandler):
         return answer if status != 500 else plain
 
 
-class Guarded(asyncio.Protocol):
-    """Delegates to aiohttp's protocol; frames requests, keeps the deadlines, counts."""
+class ClientConnection(asyncio.Protocol):
+    """One client connection: aiohttp's protocol behind the listener's connection cap, request
+    framing and deadlines (head, body, write), counted."""
 
     def __init__(self, inner: Any, listener: Listener) -> None:
         if type(inner) is web_protocol.RequestHandler:  # same layout: answers become JSON
@@ -201,8 +202,8 @@ class Listener:
         self.encoded_refused = 0
         self.server: asyncio.base_events.Server | None = None
 
-    def protocol(self) -> Guarded:
-        return Guarded(self.factory(), self)
+    def protocol(self) -> ClientConnection:
+        return ClientConnection(self.factory(), self)
 
     async def start(self, host: str, port: int, backlog: int = 4096,
                     tls: ssl.SSLContext | None = None) -> None:

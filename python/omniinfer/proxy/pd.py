@@ -7,7 +7,7 @@ costs its uncached prompt tokens, a decode one the whole prompt plus the output 
 an attempt aborts, retries and gives back is the attempt loop's (``attempt.py``).
 
 The PD phases after prefill_scheduled (``request.py``) come from the two workers' events, all
-marked here but the first token a stream sends the client (``upstream.pipe``): the prefill
+marked here but the first token a stream sends the client (``worker_http.pipe``): the prefill
 worker's response head (prefill_running) and its completed answer, the prefill done
 (decode_waiting); the decode worker's first output (decode_scheduled: a stream's first event, a
 non-streamed answer's head) and, non-streamed, that answer read whole (decode_running). The
@@ -27,10 +27,10 @@ from aiohttp import web
 
 from omniinfer.proxy.accuracy import reported_cached_tokens
 from omniinfer.proxy.attempt import Attempt, HeldTask, Strategy, decide_in_turn
-from omniinfer.proxy.base import Decision, RouteRequest
 from omniinfer.proxy.http1_response import Response
+from omniinfer.proxy.policy_api import Decision, RouteRequest
 from omniinfer.proxy.request import Phase, Request
-from omniinfer.proxy.upstream import (
+from omniinfer.proxy.worker_http import (
     Passthrough,
     UpstreamFailure,
     count_output,

@@ -13,9 +13,9 @@ from aiohttp import web
 
 from omniinfer.proxy.accuracy import cached_tokens_in, reported_cached_tokens, reported_from_stream
 from omniinfer.proxy.attempt import Attempt, Strategy, decide_in_turn
-from omniinfer.proxy.base import Decision, RouteRequest
+from omniinfer.proxy.policy_api import Decision, RouteRequest
 from omniinfer.proxy.request import REGULAR_PHASES, Phase
-from omniinfer.proxy.upstream import count_output, first_chunk, pipe, post, read_all
+from omniinfer.proxy.worker_http import count_output, first_chunk, pipe, post, read_all
 from omniinfer.proxy.workers import Role, Worker
 
 

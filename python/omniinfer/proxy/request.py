@@ -18,7 +18,7 @@ starts at the event named here (marked where that event happens, file in bracket
                      stream's first event; a non-streamed answer's head)          [pd]
   decode_running     first output token sent to the client (``token``: a stream's
                      first event, which also times TTFT); PD non-streamed: the
-                     decode answer read whole, before it goes to the client       [upstream/pd]
+                     decode answer read whole, before it goes to the client    [worker_http/pd]
 Regular mode goes through ``REGULAR_PHASES`` (no decode_waiting/decode_scheduled; a
 non-streamed answer shows no first token, so its prefill_running lasts to the end), PD through
 all eight. Phases are entered in order; a phase entered after a later one is ignored (in PD the
@@ -38,7 +38,7 @@ from typing import Any
 
 import orjson
 
-from omniinfer.proxy.base import RouteRequest
+from omniinfer.proxy.policy_api import RouteRequest
 
 
 class Phase(enum.IntEnum):

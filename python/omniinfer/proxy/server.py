@@ -27,7 +27,7 @@ import orjson
 from aiohttp import web
 
 from omniinfer.proxy import worker_api
-from omniinfer.proxy.auth import Guard, error_response, full_view, json_errors
+from omniinfer.proxy.auth import AccessControl, error_response, full_view, json_errors
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.control import AnswerTooLarge, read_capped
 from omniinfer.proxy.core import Router
@@ -275,9 +275,9 @@ async def _expect(request: web.Request) -> None:
 
 def build_app(router: Router) -> web.Application:
     c = router.config
-    guard = Guard(c.api_key, c.control_plane_api_keys, c.control_plane_audit_enabled)
+    access = AccessControl(c.api_key, c.control_plane_api_keys, c.control_plane_audit_enabled)
     app = web.Application(client_max_size=c.max_payload_size,
-                          middlewares=[json_errors, guard.middleware])
+                          middlewares=[json_errors, access.middleware])
     app[ROUTER_KEY] = router
     app[HEALTH_KEY] = Shared(HEALTH_GENERATE_TTL_S)
     if c.cors_allowed_origins:

@@ -28,7 +28,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from omniinfer.kv_events import GPU_MEDIA, Batch, Cleared, Removed, Stored
+from omniinfer.kv_event_wire import GPU_MEDIA, Batch, Cleared, Removed, Stored
 from omniinfer.proxy.prefix import ROOT_HASH, PrefixIndex, chain_hash
 
 _EMPTY: tuple[int, ...] = ()

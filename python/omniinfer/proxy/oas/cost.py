@@ -6,7 +6,7 @@ least squares with forgetting, starting from a prior. The prior's per-token term
 from the worker's cumulative busy time per uncached token (``/v1/loads`` or the load feed), but
 only before the first measured batch and only once those totals cover ``MIN_SEED_TOKENS``
 tokens: a report taken while a pass runs counts the pass's tokens before its time. Batches are
-found from response timing, as the upstream proxy finds them: prefill completions close
+found from response timing, as OmniInfer's proxy finds them: prefill completions close
 together belong to one batch; a batch started when the previous one ended, or when its first
 request was sent if the instance was idle.
 
@@ -120,7 +120,7 @@ class Batch:
 class InstanceClock:
     """What the router has sent one instance, and its batch rhythm learned from completions.
 
-    ``gap`` is how close two completions must be to count as one batch (upstream: 20 ms for
+    ``gap`` is how close two completions must be to count as one batch (OmniInfer's: 20 ms for
     prefill); it shrinks with the learned cycle so that a sped-up clock still separates batches.
     """
 
@@ -136,7 +136,7 @@ class InstanceClock:
         self.batch_tokens: float | None = None  # running mean of tokens per batch
         self._open: Batch | None = None
         self.ring = ring
-        self.by_size: dict[int, collections.deque[float]] = {}  # upstream's per-size ring
+        self.by_size: dict[int, collections.deque[float]] = {}  # OmniInfer's per-size ring
         self.credit_tokens = 0.0  # may be sent despite the predicted queue (reported empty)
         self._work: tuple[int, float] | None = None  # (model version, predicted s of all sent)
 

@@ -18,9 +18,9 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from omniinfer.proxy.base import Decision, Policy, PolicyContext, RouteRequest
 from omniinfer.proxy.oas.cost import BatchTimeModel, InstanceClock, ObservedDelay
 from omniinfer.proxy.oas.deferred_queue import DeferredQueue, Instance, Release, Waiting
+from omniinfer.proxy.policy_api import Decision, Policy, PolicyContext, RouteRequest
 from omniinfer.proxy.workers import Role, Worker
 
 
@@ -70,7 +70,7 @@ class DeferringPolicy(Policy):
 
     uses_prefix = False
     lpt: bool = True  # decode: longest first within a tick (False: arrival order)
-    decode_output_weight: float = 1.0  # LPT weight = prompt + w·max_tokens (upstream's form)
+    decode_output_weight: float = 1.0  # LPT weight = prompt + w·max_tokens (OmniInfer's form)
     late_observed: bool = False  # measure release-to-prefill delays ("late" judged with them)
 
     def __init__(self, context: PolicyContext) -> None:

@@ -230,7 +230,7 @@ class DeferredQueue:
 
     ``gate`` says whether an instance may take work now (default: the just-in-time rule,
     ``is_open``); with ``choose_among_open`` the best instance is sought among open ones only
-    (the shipped upstream rule: skip overloaded instances), otherwise among all, and the
+    (OmniInfer's shipped rule: skip overloaded instances), otherwise among all, and the
     request waits while its best instance is closed.
     """
 

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from omniinfer.proxy.base import RouteRequest, register_policy
 from omniinfer.proxy.oas.cost import InstanceClock, TransferModel, predicted_ttft
 from omniinfer.proxy.oas.deferred_policy import DeferringPolicy
 from omniinfer.proxy.oas.deferred_queue import (
@@ -60,6 +59,7 @@ from omniinfer.proxy.oas.deferred_queue import (
     slo_first,
     slo_sacrifice,
 )
+from omniinfer.proxy.policy_api import RouteRequest, register_policy
 from omniinfer.proxy.workers import Role, Worker
 
 

@@ -1,4 +1,4 @@
-"""``omni_default`` and ``omni_earliest_batch``: OmniInfer's shipped OAS, as the upstream proxy does it.
+"""``omni_default`` and ``omni_earliest_batch``: OAS as OmniInfer's own proxy ships it.
 
 Both hold requests in the proxy while every prefill instance is overloaded (more than 32,000
 tokens or 32 requests sent and not back), and release them in the shipped order
@@ -9,7 +9,8 @@ tokens or 32 requests sent and not back), and release them in the shipped order
   start (last batch end + its average cycle) plus the mean measured duration of batches of the
   size it would then run (a per-batch-size ring of measurements).
 
-There is no hold bound (upstream has none). Decode: LPT to the least-loaded decode instance.
+There is no hold bound (OmniInfer's proxy has none). Decode: LPT to the least-loaded decode
+instance.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
-from omniinfer.proxy.base import register_policy
 from omniinfer.proxy.oas.cost import InstanceClock
 from omniinfer.proxy.oas.deferred_policy import DeferringPolicy
 from omniinfer.proxy.oas.deferred_queue import (
@@ -27,8 +27,9 @@ from omniinfer.proxy.oas.deferred_queue import (
     Waiting,
     get_order,
 )
+from omniinfer.proxy.policy_api import register_policy
 
-MAX_BATCH_TOKENS = 32000  # upstream thresholds of an overloaded prefill instance
+MAX_BATCH_TOKENS = 32000  # OmniInfer's thresholds of an overloaded prefill instance
 MAX_RUNNING = 32
 
 

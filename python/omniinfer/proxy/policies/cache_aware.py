@@ -13,7 +13,13 @@ The prefix index (the per-worker approximate tree) is maintained by the router f
 
 from __future__ import annotations
 
-from omniinfer.proxy.base import Decision, Policy, RouteRequest, least_loaded, register_policy
+from omniinfer.proxy.policy_api import (
+    Decision,
+    Policy,
+    RouteRequest,
+    least_loaded,
+    register_policy,
+)
 from omniinfer.proxy.workers import Worker
 
 

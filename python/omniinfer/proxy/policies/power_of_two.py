@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import random
 
-from omniinfer.proxy.base import Decision, Policy, RouteRequest, least_loaded, register_policy
+from omniinfer.proxy.policy_api import (
+    Decision,
+    Policy,
+    RouteRequest,
+    least_loaded,
+    register_policy,
+)
 from omniinfer.proxy.workers import Worker
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from omniinfer.proxy.base import Decision, Policy, RouteRequest, register_policy
+from omniinfer.proxy.policy_api import Decision, Policy, RouteRequest, register_policy
 from omniinfer.proxy.workers import Worker
 
 

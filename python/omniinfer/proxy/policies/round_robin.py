@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from omniinfer.proxy.base import Decision, Policy, PolicyContext, RouteRequest, register_policy
+from omniinfer.proxy.policy_api import (
+    Decision,
+    Policy,
+    PolicyContext,
+    RouteRequest,
+    register_policy,
+)
 from omniinfer.proxy.workers import Worker
 
 

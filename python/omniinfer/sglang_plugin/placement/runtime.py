@@ -47,8 +47,8 @@ import torch
 import torch.distributed as dist
 
 from omniinfer.flags import OmniConfig
-from omniinfer.placement.base import Placement
 from omniinfer.placement.dynamic import DynamicPlanner
+from omniinfer.placement.layout import Placement
 from omniinfer.placement.served import planner_config
 from omniinfer.placement.staging import HostCopy, SlotStager, StagedWeights
 from omniinfer.placement.transfers import logical_counts, plan_slot_copies

@@ -1,5 +1,6 @@
 """The emulator's KV-cache events: what its radix cache stores, evicts and flushes, published the
-way SGLang 0.5.23 publishes them (``--kv-events-config``; wire format in ``omniinfer.kv_events``).
+way SGLang 0.5.23 publishes them (``--kv-events-config``; wire format in
+``omniinfer.kv_event_wire``).
 
 The emulated cache is token-granular, like SGLang with page size 1, so every token is one block
 and a new radix node is one ``BlockStored`` with one hash per token. Block hashes are opaque
@@ -24,7 +25,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from omniinfer.kv_events import (
+from omniinfer.kv_event_wire import (
     END_OF_REPLAY,
     AllBlocksCleared,
     BlockRemoved,

@@ -1,4 +1,5 @@
-"""Upstream I/O of one request: POST to a worker, read its answer, pipe a stream to the client.
+"""The router's HTTP I/O with its workers for one request: POST to a worker, read its answer,
+pipe a stream to the client.
 
 Timeouts, so that no worker can hold a slot forever: connect (``--upstream-connect-timeout-
 secs``), the first event of a stream (``--upstream-first-byte-timeout-secs``), each later read of

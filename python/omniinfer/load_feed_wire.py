@@ -28,7 +28,7 @@ import reprlib
 
 import msgspec
 
-from omniinfer.kv_events import WILDCARD_HOSTS, KvEventsConfig, ProtocolError, split_tcp
+from omniinfer.kv_event_wire import WILDCARD_HOSTS, KvEventsConfig, ProtocolError, split_tcp
 
 LOAD_TOPIC = "load"
 HEARTBEAT_S = 1.0  # an unchanged reading is sent again after this long

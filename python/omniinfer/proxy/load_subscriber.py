@@ -2,9 +2,9 @@
 
 A worker started with ``--load-publish-endpoint`` (beside ``--kv-events-config``) advertises its
 feed in ``/server_info`` (``kv_events.load_endpoint_port_base`` and ``load_topic``; one PUB
-socket per DP rank on base + rank; wire format in ``omniinfer.load_feed``). Per such worker the
-router keeps one SUB socket per rank, dialled on the worker's own host only. Every reading
-replaces that rank's part of ``worker.loads`` at once, and the policy hears of it
+socket per DP rank on base + rank; wire format in ``omniinfer.load_feed_wire``). Per such
+worker the router keeps one SUB socket per rank, dialled on the worker's own host only. Every
+reading replaces that rank's part of ``worker.loads`` at once, and the policy hears of it
 (``on_loads``), so the router sees a prefill batch's effect when the batch ends rather than at
 the next poll. Contracts:
 
@@ -36,8 +36,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from omniinfer.kv_events import ProtocolError, seq_from
-from omniinfer.load_feed import STALE_AFTER_S, LoadStat, decode_load
+from omniinfer.kv_event_wire import ProtocolError, seq_from
+from omniinfer.load_feed_wire import STALE_AFTER_S, LoadStat, decode_load
 from omniinfer.proxy import zmtp
 from omniinfer.proxy.control import FailureHook, OwnedTasks, Supervisor, WarningLimiter
 from omniinfer.proxy.kv_sources import NoEvents, dial_rank
