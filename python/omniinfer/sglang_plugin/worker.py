@@ -8,17 +8,15 @@ from typing import Any
 from sglang.srt.plugins.hook_registry import HookType
 
 from omniinfer.flags import OmniConfig, current_config
-from omniinfer.sglang_plugin import hooks, internals
+from omniinfer.sglang_plugin import hooks, internals, targets
 from omniinfer.sglang_plugin.ranks import tp_rank
 
 logger = logging.getLogger("omniinfer")
 
-SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
-
 
 def check_sglang(config: OmniConfig) -> None:
-    """Stop this scheduler unless the installed SGLang has every private name the switched-on
-    features use (:func:`internals.check`) and every hook target resolved (:func:`hooks.verify`)."""
+    """Stop this scheduler unless the installed SGLang has every name the switched-on features
+    use (:func:`internals.check`) and every hook target resolved (:func:`hooks.verify`)."""
     from omniinfer.cpu.detect import cpu_engine_active
 
     internals.check(internals.start_up_features(
@@ -37,7 +35,7 @@ def _after_scheduler_init(_result: Any, scheduler: Any, *_a: Any, **_k: Any) -> 
 
 
 def register() -> None:
-    hooks.register(SCHEDULER_INIT, _after_scheduler_init, HookType.AFTER, "omni config and hook check")
+    hooks.register(targets.SCHEDULER_INIT, _after_scheduler_init, HookType.AFTER)
     from omniinfer.sglang_plugin.placement import eplb_adapter
 
     eplb_adapter.register()
