@@ -83,7 +83,7 @@ def test_scheduler_start_stops_on_a_missing_internal(monkeypatch: pytest.MonkeyP
     gone = _renamed(internals.HOOK_REGISTRY_PATCHED, name="_patched_gone")
     monkeypatch.setattr(internals, "DECLARED", (gone,))
     with pytest.raises(internals.SGLangInternalsError, match="HookRegistry._patched_gone"):
-        worker.check_sglang(OmniConfig())
+        worker.check_sglang(OmniConfig(), scheduler=None)
 
 
 def test_accumulator_counts_are_found_by_name_or_position() -> None:

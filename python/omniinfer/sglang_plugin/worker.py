@@ -14,9 +14,11 @@ from omniinfer.sglang_plugin.ranks import tp_rank
 logger = logging.getLogger("omniinfer")
 
 
-def check_sglang(config: OmniConfig) -> None:
+def check_sglang(config: OmniConfig, scheduler: Any) -> None:
     """Stop this scheduler unless the installed SGLang has every name the switched-on features
-    use (:func:`internals.check`) and every hook target resolved (:func:`hooks.verify`)."""
+    use (:func:`internals.check`), every hook target resolved (:func:`hooks.verify`) and, with
+    an OmniAttn pattern on, ``scheduler``'s tree cache is the sink-aware one on SGLang's Python
+    tree core (:func:`omniinfer.sglang_plugin.omni_attn.radix.require_sink_tree`)."""
     from omniinfer.cpu.detect import cpu_engine_active
 
     internals.check(internals.start_up_features(
@@ -25,11 +27,15 @@ def check_sglang(config: OmniConfig) -> None:
         cpu_engine=cpu_engine_active(),
     ))
     hooks.verify()
+    if config.omni_attn_pattern is not None:
+        from omniinfer.sglang_plugin.omni_attn.radix import require_sink_tree
+
+        require_sink_tree(scheduler)
 
 
 def _after_scheduler_init(_result: Any, scheduler: Any, *_a: Any, **_k: Any) -> None:
     config = current_config()
-    check_sglang(config)
+    check_sglang(config, scheduler)
     scheduler.omni_config = config
     logger.info("omniinfer: scheduler tp_rank=%s received omni config %s", tp_rank(), config.to_json())
 
