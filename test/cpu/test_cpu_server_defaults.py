@@ -119,13 +119,15 @@ def test_unresolvable_hook_target_fails_loudly() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from omniinfer.sglang_plugin import hooks
+    from omniinfer.sglang_plugin.targets import Target
 
     good = "omniinfer.cpu.server_defaults.apply_cpu_server_defaults"
     bad = "omniinfer.cpu.server_defaults.no_such_function"
     patched_before = set(HookRegistry._patched)
     try:
-        hooks.register(good, lambda result, *a, **k: result, HookType.AFTER, "test: resolves")
-        hooks.register(bad, lambda result, *a, **k: result, HookType.AFTER, "test: does not")
+        for path, why in ((good, "test: resolves"), (bad, "test: does not")):
+            hooks.register(Target(path, frozenset({"after"}), why),
+                           lambda result, *a, **k: result, HookType.AFTER)
         HookRegistry.apply_hooks()
         assert bad in hooks.unapplied() and good not in hooks.unapplied()
         with pytest.raises(hooks.HookTargetError, match="no_such_function.*test: does not"):

@@ -43,14 +43,9 @@ from sglang.srt.plugins.hook_registry import HookType
 from omniinfer.cpu.moe_native import masked_moe_forward
 from omniinfer.cpu.server_defaults import DP_WAIT_MS_ENV, PD_MOONCAKE_ENV, PD_POLL_MS_ENV
 from omniinfer.cpu.torch_compat import patch_torch
-from omniinfer.sglang_plugin import hooks, internals
+from omniinfer.sglang_plugin import hooks, internals, targets
 
 logger = logging.getLogger("omniinfer")
-
-GROUP_COORDINATOR_INIT = internals.GROUP_COORDINATOR_INIT.path
-MOE_FORWARD_NATIVE = "sglang.srt.layers.moe.fused_moe_native.moe_forward_native"
-SCHEDULER_ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
-MOONCAKE_SENDER_INIT = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__"
 
 
 def _without_pynccl(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -87,10 +82,9 @@ def _sender_takes_numpy_indices(_result: Any, sender: Any, *_a: Any, **_k: Any) 
 def _pd_poll_wait(wait_ms: int) -> Callable[..., Any]:
     def around_on_idle(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(scheduler, *args, **kwargs)
-        mode = getattr(getattr(scheduler, "disaggregation_mode", None), "value", "null")
-        if mode != "null":
-            sleeper = getattr(scheduler, "idle_sleeper", None)
-            poller = getattr(sleeper, "poller", None)
+        if scheduler.disaggregation_mode.value != "null":  # declared: SCHEDULER_PD_MODE
+            sleeper = scheduler.idle_sleeper  # declared; None without --sleep-on-idle
+            poller = getattr(sleeper, internals.IDLE_SLEEPER_POLLER.name, None)  # none: Rust's
             if poller is not None:
                 poller.poll(wait_ms)  # returns early when a request arrives
             else:
@@ -140,16 +134,14 @@ def register() -> None:
     patched = patch_torch()
     if patched:
         logger.info("omniinfer: CPU engine, filled in %s", ", ".join(patched))
-    hooks.register(GROUP_COORDINATOR_INIT, _without_pynccl, HookType.BEFORE, "no NCCL on CPU")
-    hooks.register(MOE_FORWARD_NATIVE, _moe_forward_masked, HookType.AROUND, "EP on CPU")
+    hooks.register(targets.GROUP_COORDINATOR_INIT, _without_pynccl, HookType.BEFORE)
+    hooks.register(targets.MOE_FORWARD_NATIVE, _moe_forward_masked, HookType.AROUND)
     if os.environ.get(PD_MOONCAKE_ENV) == "1":
-        hooks.register(MOONCAKE_SENDER_INIT, _sender_takes_numpy_indices, HookType.AFTER,
-                       "PD on CPU: KV page indices without pinned memory or CUDA events")
+        hooks.register(targets.MOONCAKE_SENDER_INIT, _sender_takes_numpy_indices, HookType.AFTER)
     wait_ms = int(os.environ.get(PD_POLL_MS_ENV, "0") or 0)
     if wait_ms > 0:
-        hooks.register(SCHEDULER_ON_IDLE, _pd_poll_wait(wait_ms), HookType.AROUND,
-                       "PD on CPU: wait for KV or a peer without spinning a core")
+        hooks.register(targets.SCHEDULER_ON_IDLE, _pd_poll_wait(wait_ms), HookType.AROUND)
     dp_wait_ms = int(os.environ.get(DP_WAIT_MS_ENV, "0") or 0)
     if dp_wait_ms > 0:
-        hooks.register(internals.DP_CONTROLLER_EVENT_LOOP.path, _dp_controller_waits(dp_wait_ms),
-                       HookType.AROUND, "DP on CPU: the controller waits instead of spinning")
+        hooks.register(targets.DP_CONTROLLER_EVENT_LOOP, _dp_controller_waits(dp_wait_ms),
+                       HookType.AROUND)

@@ -2,8 +2,9 @@
 
 SGLang's ``HookRegistry.apply_hooks`` only logs when a target does not resolve (a renamed
 module or method after an upgrade); the behaviour it carried would then be silently gone.
-:func:`register` records each target the plugin asked for and :func:`verify` raises, naming the
-targets that were not applied. The scheduler-init hook calls :func:`verify` (after
+:func:`register` takes a :class:`~omniinfer.sglang_plugin.targets.Target` (every target the
+plugin hooks is listed in :mod:`omniinfer.sglang_plugin.targets`), records it, and
+:func:`verify` raises, naming the targets that were not applied. The scheduler-init hook calls :func:`verify` (after
 :func:`omniinfer.sglang_plugin.internals.check`, which also checks ``HookRegistry._patched``,
 the record read here), so a scheduler with a missing hook stops at start-up instead of serving
 without it.
@@ -16,6 +17,8 @@ from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from omniinfer.sglang_plugin.targets import Target
+
 _REGISTERED: dict[str, str] = {}
 
 
@@ -23,10 +26,15 @@ class HookTargetError(RuntimeError):
     """A plugin hook target did not resolve in this SGLang version."""
 
 
-def register(target: str, hook: Callable[..., Any], kind: HookType, why: str) -> None:
-    """Register ``hook`` on ``target`` and remember why the plugin needs it."""
-    HookRegistry.register(target, hook, kind)
-    _REGISTERED[target] = why
+def register(target: Target, hook: Callable[..., Any], kind: HookType) -> None:
+    """Register ``hook`` on ``target.path`` and remember why the plugin needs it; ValueError
+    when ``kind`` is not one of the kinds the target lists (the list is the contract the hook
+    test checks)."""
+    if kind.value not in target.kinds:
+        raise ValueError(f"{target.path}: a {kind.value} hook is not listed in targets.py "
+                         f"(listed: {sorted(target.kinds)})")
+    HookRegistry.register(target.path, hook, kind)
+    _REGISTERED[target.path] = target.why
 
 
 def registered() -> dict[str, str]:

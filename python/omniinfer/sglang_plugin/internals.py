@@ -1,89 +1,45 @@
-"""Every private SGLang name the plugin relies on, declared once and checked at start-up.
+"""Every SGLang name the plugin relies on beyond hook targets, declared once and checked.
 
-HookRegistry targets are checked by :mod:`omniinfer.sglang_plugin.hooks`. Beyond them the glue
-reads private attributes of SGLang objects, subclasses private SGLang methods, passes or finds
-arguments by name, and loads one SGLang source file by path. An SGLang upgrade that renames one
-of those would not fail at start-up by itself: an override would silently never be called, an
-argument looked up by name would silently be absent. Each such name is an :class:`Internal`
-below (owner, name, why); :func:`check` resolves them against the installed SGLang and raises
-:class:`SGLangInternalsError` naming every one that is missing. The scheduler-init hook calls it
-right before ``hooks.verify()``, so a server with a missing internal stops at start-up.
+HookRegistry targets are listed in :mod:`omniinfer.sglang_plugin.targets` and checked by
+:mod:`omniinfer.sglang_plugin.hooks`. Beyond them the glue reads private attributes of SGLang
+objects, subclasses private SGLang methods, passes or finds arguments by name, reads and writes
+``ServerArgs`` fields on the launcher's parsed namespace, sets environment variables SGLang
+reads, and loads one SGLang source file by path. An SGLang upgrade that renames one of those
+would not fail by itself: an override would silently never be called, an argument looked up by
+name would silently be absent, a field written on the namespace would be dropped, a refusal
+read through ``getattr(namespace, name, default)`` would silently pass. Each such name is an
+:class:`Internal` below (owner, name, why, feature, :class:`Kind`); how each kind is checked is
+:mod:`omniinfer.sglang_plugin.checking`.
 
-What :func:`check` proves, per :class:`Kind`:
+Two checks run them, each for the features switched on:
 
-- ``ATTRIBUTE``: ``getattr(owner, name)`` exists on the imported owner (class attribute, method
-  or module global). With ``params``, those parameters appear in its signature in that order
-  (the glue passes or reads them by name or by that position).
-- ``INSTANCE``: an attribute set on instances. Not observable without an instance, so the check
-  is on source: ``self.<name>`` is assigned (plain, augmented or annotated assignment)
-  somewhere in the owner class or one of its base classes, or declared at class
-  level. A rename in SGLang's source fails it; an attribute set from outside the class does
-  not count (none of the declared ones is).
-- ``SOURCE``: the owner is a module that the plugin reads as a file without importing its
-  package (:func:`source_file`); the file exists and defines a top-level function ``name`` with
-  ``params`` in that order.
-- ``FIELD``: ``name`` is a field of the record ``owner`` (``ServerArgs``, a msgspec Struct in
-  0.5.23; a dataclass before): the launcher writes
-  it on the parsed namespace, and ``ServerArgs.from_cli_args`` silently drops a name that is no
-  field. :func:`check_launch` runs these (and ``ENV``) in the launcher, before any process starts.
-- ``ENV``: ``name`` is an environment variable the plugin sets or reads, and the source file of
-  the module ``owner`` (where SGLang reads it) still names it.
+- :func:`check_launch`, in the launcher (the ``ServerArgs.from_cli_args`` hook), before the
+  namespace is read or written and before any process starts: every ``FIELD`` and ``ENV``;
+- :func:`check`, at scheduler start (the ``Scheduler.__init__`` hook, right before
+  ``hooks.verify()``): every kind, keyword parameters included.
 
+Either raises :class:`SGLangInternalsError` naming every declaration that does not hold.
+Tests monkeypatch :data:`DECLARED` (read at call time) to check a renamed copy of the table.
 This module imports no SGLang at import time.
 """
 
 from __future__ import annotations
 
-import ast
-import dataclasses
-import enum
-import importlib.util
-import inspect
-import pkgutil
-import re
-import textwrap
-from collections.abc import Collection, Iterable, Mapping
-from functools import cache
-from pathlib import Path
-from typing import Any
+from collections.abc import Collection, Iterable
+
+from omniinfer.sglang_plugin.checking import Internal as Internal
+from omniinfer.sglang_plugin.checking import Kind as Kind
+from omniinfer.sglang_plugin.checking import SGLangInternalsError as SGLangInternalsError
+from omniinfer.sglang_plugin.checking import bind as bind
+from omniinfer.sglang_plugin.checking import problem as problem
+from omniinfer.sglang_plugin.checking import raise_missing
+from omniinfer.sglang_plugin.checking import replace_argument as replace_argument
+from omniinfer.sglang_plugin.checking import signature as signature
+from omniinfer.sglang_plugin.checking import source_file as source_file
 
 # Features: which part of the plugin needs a name (start-up checks only what is switched on).
 CORE, PLACEMENT, OMNI_ATTN, CPU, PEER = "core", "placement", "omni_attn", "cpu", "peer"
 FEATURES = frozenset({CORE, PLACEMENT, OMNI_ATTN, CPU, PEER})
-
-
-class Kind(enum.Enum):
-    """How a declared name is found in the installed SGLang (see the module docstring)."""
-
-    ATTRIBUTE = "attribute"
-    INSTANCE = "instance"
-    SOURCE = "source"
-    FIELD = "field"
-    ENV = "environment variable"
-
-
-class SGLangInternalsError(RuntimeError):
-    """Declared private SGLang names did not resolve in the installed SGLang."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Internal:
-    """One private SGLang name: ``owner`` (dotted path of a class, function or module),
-    ``name`` (attribute, method or top-level function), why the plugin needs it, the feature
-    that uses it, how it is checked, and the parameters the glue uses by name or position."""
-
-    owner: str
-    name: str
-    why: str
-    feature: str
-    kind: Kind = Kind.ATTRIBUTE
-    params: tuple[str, ...] = ()
-
-    @property
-    def path(self) -> str:
-        """``owner.name``: also the HookRegistry target string where the name is hooked."""
-        return f"{self.owner}.{self.name}"
-
 
 _HOOK_REGISTRY = "sglang.srt.plugins.hook_registry.HookRegistry"
 _EPLB_MANAGER = "sglang.srt.eplb.eplb_manager.EPLBManager"
@@ -217,55 +173,124 @@ RADIX_INTERNALS: tuple[Internal, ...] = (
 )
 
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
-_F = Kind.FIELD
+
+
+def _fields(feature: str, why: str, *names: str) -> tuple[Internal, ...]:
+    """One ``ServerArgs`` FIELD declaration per name, all needed for the same reason."""
+    return tuple(Internal(_SERVER_ARGS, n, why, feature, Kind.FIELD) for n in names)
+
+
+# ---- ServerArgs fields read or written on the launcher's namespace (checked at launch)
+RADIX_CONFLICT_FIELDS = _fields(
+    OMNI_ATTN, "omni_attn.plugin refuses each (it swaps the tree cache or its core for one "
+    "without the sink rules); the flag is --<name with dashes>", "enable_hierarchical_cache",
+    "enable_lmcache", "enable_session_radix_cache", "enable_streaming_session")
 SERVER_ARGS_FIELDS = (
-    Internal(_SERVER_ARGS, "sleep_on_idle", "cpu.server_defaults sets it (an idle CPU "
-             "scheduler spins without it)", CPU, _F),
-    Internal(_SERVER_ARGS, "disaggregation_transfer_backend", "cpu.server_defaults: Mooncake "
-             "over TCP on a CPU", CPU, _F),
-    Internal(_SERVER_ARGS, "disaggregation_decode_retraction_backup", "cpu.server_defaults: "
-             "retraction backups in CPU tensors", CPU, _F),
-    Internal(_SERVER_ARGS, "enable_eplb", "--enable-omni-placement runs on EPLB's plumbing",
-             PLACEMENT, _F),
-    Internal(_SERVER_ARGS, "init_expert_location", "--omni-placement-plan: the first layout",
-             PLACEMENT, _F),
-    Internal(_SERVER_ARGS, "ep_size", "--enable-omni-placement needs expert parallelism",
-             PLACEMENT, _F),
-    Internal(_SERVER_ARGS, "model_path", "the pattern is checked against the model's config",
-             OMNI_ATTN, _F),
-    Internal(_SERVER_ARGS, "json_model_override_args", "the pattern's layers become SWA layers",
-             OMNI_ATTN, _F),
-    Internal(_SERVER_ARGS, "swa_full_tokens_ratio", "the SWA pool's share under a pattern",
-             OMNI_ATTN, _F),
-    Internal(_SERVER_ARGS, "radix_cache_backend", "the sink rules need the Python radix core",
-             OMNI_ATTN, _F),
-    Internal(_SERVER_ARGS, "max_total_tokens", "/omni_attn/status reports the KV pool", CORE,
-             _F),
+    *_fields(CORE, "/omni/attn reports it; OmniAttn balances its pools for it",
+             "max_total_tokens"),
+    *_fields(CORE, "OmniAttn's PD refusals and the CPU PD defaults read it",
+             "disaggregation_mode"),
+    *_fields(OMNI_ATTN, "the pattern is checked against the model's config", "model_path"),
+    *_fields(OMNI_ATTN, "refused unless a backend that serves compressed layers",
+             "attention_backend", "prefill_attention_backend", "decode_attention_backend"),
+    *_fields(OMNI_ATTN, "a page size above 1 is refused on torch_native and under PD",
+             "page_size"),
+    *_fields(OMNI_ATTN, "refused with a pattern", "disable_hybrid_swa_memory",
+             "speculative_algorithm", "disaggregation_decode_enable_radix_cache"),
+    *_fields(OMNI_ATTN, "the pattern's layers become SWA layers (read, then written)",
+             "json_model_override_args"),
+    *_fields(OMNI_ATTN, "the SWA pool's share under a pattern: written unless the user set "
+             "it or a request cap; balanced for the prefill chunk", "swa_full_tokens_ratio",
+             "max_running_requests", "chunked_prefill_size"),
+    *_fields(OMNI_ATTN, "prefix reuse through the sink-aware tree unless the user turned the "
+             "radix cache off", "disable_radix_cache"),
+    *_fields(OMNI_ATTN, "written omni_attn (the sink rules); another backend is refused",
+             "radix_cache_backend"),
+    *RADIX_CONFLICT_FIELDS,
+    *_fields(PLACEMENT, "--enable-omni-placement runs on EPLB's plumbing", "enable_eplb"),
+    *_fields(PLACEMENT, "--omni-placement-plan: the first layout", "init_expert_location"),
+    *_fields(PLACEMENT, "--enable-omni-placement needs expert parallelism", "ep_size"),
+    *_fields(CPU, "cpu.server_defaults sets it (an idle CPU scheduler spins without it)",
+             "sleep_on_idle"),
+    *_fields(CPU, "cpu.server_defaults: the DP controller's wait with --dp-size > 1",
+             "dp_size"),
+    *_fields(CPU, "cpu.server_defaults: a server on loopback advertises loopback", "host"),
+    *_fields(CPU, "cpu.server_defaults: Mooncake over TCP on a CPU",
+             "disaggregation_transfer_backend"),
+    *_fields(CPU, "cpu.server_defaults: retraction backups in CPU tensors",
+             "disaggregation_decode_retraction_backup"),
 )
+
+# ---- environment variables the plugin or its launchers set or name (checked at launch)
 _E = Kind.ENV
 ENVIRONMENT = (
     Internal("sglang.srt.environ", "SGLANG_SWA_EVICTION_INTERVAL", "omni_attn.plugin sets how "
              "often out-of-window tokens are freed", OMNI_ATTN, _E),
+    Internal("sglang.srt.environ", "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "omni_attn.radix "
+             "names it when the Rust tree core was chosen (the error's fix)", OMNI_ATTN, _E),
     Internal("sglang.srt.environ", "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX",
              "cpu.server_defaults turns early sends off on a CPU", CPU, _E),
     Internal("sglang.srt.utils.network", "SGLANG_HOST_IP", "cpu.server_defaults: the address "
              "the transfer engine advertises", CPU, _E),
+    Internal("sglang.srt.utils.network", "HOST_IP", "cpu.server_defaults leaves the address "
+             "alone when the user set SGLang's fallback variable", CPU, _E),
     Internal("sglang.srt.platforms.__init__", "SGLANG_USE_CPU_ENGINE", "selects SGLang's CPU "
              "engine (launch.py sets it)", CPU, _E),
     Internal("sglang.srt.utils.common", "SGLANG_CPU_OMP_THREADS_BIND", "launch.py binds the "
              "CPU engine's OpenMP threads", CPU, _E),
 )
+
+# ---- instance attributes of scheduler-side objects the glue reads by name
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_RADIX_CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
+_REQ = "sglang.srt.managers.schedule_batch.Req"
 RADIX_TREE_CORE = Internal(
-    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache", "tree_core",
-    "omni_attn.radix asserts the Python tree core at cache creation (the Rust core would "
-    "bypass every sink rule)", OMNI_ATTN, Kind.INSTANCE)
+    _RADIX_CACHE, "tree_core", "omni_attn.radix asserts the Python tree core at cache creation "
+    "and at scheduler start (the Rust core would bypass every sink rule)", OMNI_ATTN, _I)
+RADIX_COMPONENTS = Internal(
+    _RADIX_CACHE, "components", "omni_attn.radix: the sink components are the tree's, checked "
+    "at scheduler start", OMNI_ATTN, _I)
+SCHEDULER_TREE_CACHE = Internal(
+    _SCHEDULER, "tree_cache", "OmniAttn: the start-up tree check, frees after prefill and after "
+    "a PD transfer, status", OMNI_ATTN, _I)
+SCHEDULER_RADIX_OFF = Internal(
+    _SCHEDULER, "disable_radix_cache", "OmniAttn start-up tree check: a radix cache that is "
+    "off caches nothing", OMNI_ATTN, _I)
+SCHEDULER_SERVER_ARGS = Internal(
+    _SCHEDULER, "server_args", "omni_attn.status: --max-total-tokens", OMNI_ATTN, _I)
+SCHEDULER_PD_MODE = Internal(
+    _SCHEDULER, "disaggregation_mode", "OmniAttn PD frees and the CPU PD wait", CORE, _I)
+SCHEDULER_IDLE_SLEEPER = Internal(
+    _SCHEDULER, "idle_sleeper", "cpu_fixes: the PD wait polls its sockets", CPU, _I)
+IDLE_SLEEPER_POLLER = Internal(
+    "sglang.srt.managers.scheduler_components.idle_sleeper.IdleSleeper", "poller",
+    "cpu_fixes: the sockets the PD wait polls (the Rust server's sleeper has none, so the wait "
+    "sleeps there)", CPU, _I)
+REQ_KV_SENDER = Internal(_REQ, "disagg_kv_sender", "omni_attn.pd: the prefill sender the sink "
+                         "pages join (None without PD)", OMNI_ATTN, _I)
+REQ_DECODE_PREFIX = Internal(_REQ, "disagg_decode_prefix_len", "omni_attn.pd: where the sink "
+                             "span starts on the prefill side", OMNI_ATTN, _I)
+SCHEDULER_STATE: tuple[Internal, ...] = (
+    RADIX_TREE_CORE, RADIX_COMPONENTS, SCHEDULER_TREE_CACHE, SCHEDULER_RADIX_OFF,
+    SCHEDULER_SERVER_ARGS, SCHEDULER_PD_MODE, SCHEDULER_IDLE_SLEEPER, IDLE_SLEEPER_POLLER,
+    REQ_KV_SENDER, REQ_DECODE_PREFIX,
+)
+
+# ---- keyword arguments passed or read by name (checked at scheduler start)
 _METADATA = "sglang.srt.eplb.expert_location.ExpertLocationMetadata"
+RECEIVER_SEND_METADATA = Internal(
+    "sglang.srt.disaggregation.base.conn.BaseKVReceiver", "send_metadata",
+    "omni_attn.pd reads decode_prefix_len= from the keywords of the hooked _send_kv_metadata, "
+    "which SGLang passes on to this", OMNI_ATTN, params=("decode_prefix_len",))
 KEYWORDS = (
     Internal(_METADATA, "init_by_mapping", "placement.runtime builds the new layout's metadata "
              "(passes moe_ep_rank= by name)", PLACEMENT, params=("moe_ep_rank",)),
     Internal(_METADATA, "update", "placement.runtime switches the layout layer by layer "
              "(passes update_layer_ids= by name)", PLACEMENT, params=("update_layer_ids",)),
+    RECEIVER_SEND_METADATA,
 )
+GET_PARALLEL = Internal("sglang.srt.runtime_context", "get_parallel",
+                        "ranks.tp_rank: this scheduler's tensor-parallel rank", CORE)
 
 DECLARED: tuple[Internal, ...] = (
     HOOK_REGISTRY_PATCHED, EPLB_GET_MODEL, EPLB_MODEL_CONFIG, STAT_ACCUMULATOR_APPEND,
@@ -273,7 +298,7 @@ DECLARED: tuple[Internal, ...] = (
     SEND_KV_CHUNK, SEND_KV_METADATA,
     ESTIMATE_SWA_TOKENS, SWA_REQUEST_CAP,
     *POOL_CONFIGURATOR_FIELDS, TRITON_SET_KV_BUFFER, *RADIX_INTERNALS,
-    *SERVER_ARGS_FIELDS, *ENVIRONMENT, *KEYWORDS, RADIX_TREE_CORE,
+    *SERVER_ARGS_FIELDS, *ENVIRONMENT, *SCHEDULER_STATE, *KEYWORDS, GET_PARALLEL,
 )
 
 
@@ -289,127 +314,10 @@ def start_up_features(*, placement: bool, omni_attn: bool, cpu_engine: bool) -> 
 # ---------------------------------------------------------------- checks
 
 
-def _ordered(have: Iterable[str], want: tuple[str, ...]) -> str | None:
-    """None when every name of ``want`` is in ``have`` in that order; else what is wrong."""
-    names = list(have)
-    missing = [p for p in want if p not in names]
-    if missing:
-        return f"no parameter {', '.join(missing)}"
-    positions = [names.index(p) for p in want]
-    if positions != sorted(positions):
-        return f"parameters {', '.join(want)} are no longer in this order"
-    return None
-
-
-@cache
-def _self_assigned(klass: type) -> frozenset[str]:
-    """Names assigned on ``self`` anywhere in the source of ``klass`` (empty without source)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-    except (OSError, TypeError, SyntaxError):
-        return frozenset()
-    return frozenset(
-        node.attr for node in ast.walk(tree)
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-        and isinstance(node.value, ast.Name) and node.value.id == "self"
-    )
-
-
-def _assigned_on_self(cls: type, name: str) -> bool:
-    """``self.<name>`` is assigned in the source of ``cls`` or a base, or declared on a class."""
-    for klass in inspect.getmro(cls):
-        if klass is object:
-            continue
-        if name in vars(klass) or name in vars(klass).get("__annotations__", {}):
-            return True
-        if name in _self_assigned(klass):
-            return True
-    return False
-
-
-def source_file(decl: Internal) -> Path:
-    """The file of ``decl.owner`` inside the installed package, found without importing it
-    (FileNotFoundError when the package or the file is absent)."""
-    top, *rest = decl.owner.split(".")
-    spec = importlib.util.find_spec(top)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {top} is not installed")
-    path = Path(next(iter(spec.submodule_search_locations))).joinpath(*rest).with_suffix(".py")
-    if not path.is_file():
-        raise FileNotFoundError(f"{'/'.join(rest)}.py is not in the installed {top}")
-    return path
-
-
-def _source_problem(decl: Internal) -> str | None:
-    try:
-        tree = ast.parse(source_file(decl).read_text())
-    except (OSError, SyntaxError) as exc:
-        return str(exc)
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name == decl.name:
-            args = node.args
-            return _ordered([a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)],
-                            decl.params)
-    return f"no top-level function {decl.name}"
-
-
-def _named_in_source(decl: Internal) -> str | None:
-    try:
-        text = source_file(decl).read_text()
-    except OSError as exc:
-        return str(exc)
-    return None if re.search(rf"\b{re.escape(decl.name)}\b", text) else "no longer read there"
-
-
-def _record_fields(owner: Any) -> frozenset[str] | None:
-    """The fields ``ServerArgs.from_cli_args`` keeps (it reads them the same way: a msgspec
-    Struct's, else a dataclass's); None for another kind of class."""
-    try:
-        import msgspec
-
-        if isinstance(owner, type) and issubclass(owner, msgspec.Struct):
-            return frozenset(f.name for f in msgspec.structs.fields(owner))
-    except ImportError:
-        pass
-    if dataclasses.is_dataclass(owner):
-        return frozenset(f.name for f in dataclasses.fields(owner))
-    return None
-
-
-def problem(decl: Internal) -> str | None:
-    """Why ``decl`` does not hold in the installed SGLang; None when it does."""
-    if decl.kind is Kind.SOURCE:
-        return _source_problem(decl)
-    if decl.kind is Kind.ENV:
-        return _named_in_source(decl)
-    try:
-        owner = pkgutil.resolve_name(decl.owner)
-    except (ImportError, AttributeError, ValueError) as exc:
-        return f"owner does not resolve ({type(exc).__name__}: {exc})"
-    if decl.kind is Kind.INSTANCE:
-        if not isinstance(owner, type):
-            return "owner is not a class"
-        return None if _assigned_on_self(owner, decl.name) else "never assigned on self"
-    if decl.kind is Kind.FIELD:
-        fields = _record_fields(owner)
-        if fields is None:
-            return "owner is neither a msgspec Struct nor a dataclass"
-        return None if decl.name in fields else "no such field (a value set there is dropped)"
-    if not hasattr(owner, decl.name):
-        return "no such attribute"
-    if not decl.params:
-        return None
-    try:
-        parameters = inspect.signature(getattr(owner, decl.name)).parameters
-    except (TypeError, ValueError) as exc:
-        return f"no signature ({exc})"
-    return _ordered(parameters, decl.params)
-
-
 def missing(declared: Iterable[Internal] | None = None,
             features: Collection[str] | None = None) -> list[tuple[Internal, str]]:
-    """(declaration, problem) for each declared name (all, or those of ``features``) that
-    does not hold."""
+    """(declaration, problem) for each declared name (all of :data:`DECLARED`, or
+    ``declared``; of every feature, or of ``features``) that does not hold."""
     pool = DECLARED if declared is None else tuple(declared)
     chosen = [d for d in pool if features is None or d.feature in features]
     return [(d, p) for d in chosen if (p := problem(d)) is not None]
@@ -419,47 +327,13 @@ def check(features: Collection[str] | None = None,
           declared: Iterable[Internal] | None = None) -> None:
     """Raise :class:`SGLangInternalsError` naming every declared name (of ``features``; all
     when None) that the installed SGLang lacks; return None when all hold."""
-    found = missing(declared, features)
-    if found:
-        lines = [f"  {d.path} [{d.kind.value}]: {p}  ({d.why})" for d, p in found]
-        raise SGLangInternalsError(
-            "omniinfer: these private SGLang names the plugin relies on are missing or changed "
-            "in this SGLang version, so the behaviour that needs them would break:\n"
-            + "\n".join(lines)
-        )
+    raise_missing(missing(declared, features))
+
+
+LAUNCH_KINDS = (Kind.FIELD, Kind.ENV)
 
 
 def check_launch(features: Collection[str]) -> None:
-    """The launcher's check (before any process starts): the ``ServerArgs`` fields it writes
-    and the environment variables it sets, of ``features``."""
-    check(features, [d for d in DECLARED if d.kind in (Kind.FIELD, Kind.ENV)])
-
-
-# ---------------------------------------------------------------- use
-
-
-@cache
-def signature(decl: Internal) -> inspect.Signature:
-    """The signature of the declared callable (of the original where HookRegistry wrapped it:
-    its wrappers carry ``__wrapped__``)."""
-    return inspect.signature(getattr(pkgutil.resolve_name(decl.owner), decl.name))
-
-
-def bind(decl: Internal, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-         ) -> inspect.BoundArguments:
-    """The call ``decl(*args, **kwargs)`` bound to parameter names (``self`` included for a
-    method: pass the instance first). Partial: parameters the call leaves out stay absent from
-    ``arguments``; TypeError when the call does not fit the signature."""
-    return signature(decl).bind_partial(*args, **kwargs)
-
-
-def replace_argument(decl: Internal, args: tuple[Any, ...], kwargs: Mapping[str, Any],
-                     name: str, value: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``(args, kwargs)`` of the same call with parameter ``name`` (declared in
-    ``decl.params``) set to ``value``; the call is normalised by the signature (an argument goes
-    by position while every parameter before it is given, by keyword after a gap)."""
-    assert name in decl.params, f"{name} is not declared for {decl.path}"
-    bound = bind(decl, args, kwargs)
-    bound.arguments[name] = value
-    return bound.args, dict(bound.kwargs)
-
+    """The launcher's check (before any process starts): the ``ServerArgs`` fields it reads or
+    writes and the environment variables it sets or names, of ``features``."""
+    check(features, [d for d in DECLARED if d.kind in LAUNCH_KINDS])

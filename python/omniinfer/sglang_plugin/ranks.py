@@ -4,11 +4,20 @@ from __future__ import annotations
 
 
 def tp_rank() -> int | None:
-    """This scheduler's tensor-parallel rank, from SGLang's runtime context (None outside a
-    scheduler, where the context is not published)."""
-    try:
-        from sglang.srt.runtime_context import get_parallel
+    """This process's tensor-parallel rank, from SGLang's runtime context.
 
-        return int(get_parallel().tp_rank)
-    except Exception:  # noqa: BLE001 - any failure means: not inside a scheduler
+    None only in the one expected case: the rank has not been written in this process (outside
+    a scheduler, or before SGLang publishes it), where SGLang's ``ParallelContext`` raises
+    ``RuntimeError`` on the read. Anything else propagates: an ``ImportError`` or
+    ``AttributeError`` (``get_parallel`` or ``tp_rank`` renamed; ``get_parallel`` is a declared
+    internal, checked at scheduler start), a ``TypeError``/``ValueError`` from a rank that is no
+    integer.
+    """
+    from sglang.srt.runtime_context import get_parallel
+
+    context = get_parallel()
+    try:
+        rank = context.tp_rank
+    except RuntimeError:  # "parallel name 'tp_rank' has not been written in this process"
         return None
+    return int(rank)

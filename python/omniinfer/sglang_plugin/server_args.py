@@ -11,11 +11,8 @@ from typing import Any
 from sglang.srt.plugins.hook_registry import HookType
 
 from omniinfer.flags import OmniConfig, OmniFlagError, add_arguments
-from omniinfer.sglang_plugin import hooks
+from omniinfer.sglang_plugin import hooks, targets
 from omniinfer.sglang_plugin.http_routes import STATE_DIR_ENV
-
-ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
-FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
 
 
 def _after_add_cli_args(_result: Any, parser: argparse.ArgumentParser, *_a: Any, **_k: Any) -> None:
@@ -52,8 +49,10 @@ def _before_from_cli_args(*args: Any, **kwargs: Any) -> None:
 
 
 def _check_surface(config: OmniConfig) -> None:
-    """The ServerArgs fields and environment variables the switched-on features write, checked
-    against the installed SGLang before they are written (a renamed field would be dropped)."""
+    """The ServerArgs fields the switched-on features read or write on the namespace and the
+    environment variables they set or name (``internals.check_launch``), checked against the
+    installed SGLang before any is touched: a renamed field would be dropped when written and
+    read as its default, so a refusal would silently pass."""
     from omniinfer.cpu.detect import cpu_engine_active
     from omniinfer.sglang_plugin import internals
 
@@ -88,5 +87,5 @@ def _prepare_placement(namespace: argparse.Namespace, config: OmniConfig) -> Non
 
 
 def register() -> None:
-    hooks.register(ADD_CLI_ARGS, _after_add_cli_args, HookType.AFTER, "omni flags")
-    hooks.register(FROM_CLI_ARGS, _before_from_cli_args, HookType.BEFORE, "omni flags, CPU defaults")
+    hooks.register(targets.ADD_CLI_ARGS, _after_add_cli_args, HookType.AFTER)
+    hooks.register(targets.FROM_CLI_ARGS, _before_from_cli_args, HookType.BEFORE)

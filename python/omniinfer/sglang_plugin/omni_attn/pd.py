@@ -33,8 +33,9 @@ from omniinfer.sglang_plugin import internals
 
 logger = logging.getLogger("omniinfer")
 
-SEND_KV_CHUNK = internals.SEND_KV_CHUNK.path
-SEND_KV_METADATA = internals.SEND_KV_METADATA.path
+# The keyword SGLang passes to ``_send_kv_metadata`` (and on to the receiver's
+# ``send_metadata``, whose signature declares it).
+(_DECODE_PREFIX_LEN,) = internals.RECEIVER_SEND_METADATA.params
 
 
 @dataclass
@@ -113,7 +114,7 @@ def around_send_kv_chunk(original: Any, scheduler: Any, req: Any, last_chunk: bo
     """Prefill: add the sink pages to the last chunk's SWA payload; meter every send."""
     from sglang.srt.disaggregation.base.conn import StateType
 
-    sender = getattr(req, "disagg_kv_sender", None)
+    sender = req.disagg_kv_sender  # declared: internals.REQ_KV_SENDER (None without PD)
     if sender is None:
         return original(scheduler, req, last_chunk, end_idx)
     allocator = scheduler.token_to_kv_pool_allocator
@@ -155,7 +156,7 @@ def around_send_kv_chunk(original: Any, scheduler: Any, req: Any, last_chunk: bo
 def around_send_kv_metadata(original: Any, queue: Any, decode_req: Any, kv_indices: Any,
                             page_size: int, state_indices: Any = None, **kwargs: Any) -> Any:
     """Decode: receive the sink pages into this side's sink slots, and keep them."""
-    if "decode_prefix_len" not in kwargs:  # SGLang 0.5.23 passes it on every call
+    if _DECODE_PREFIX_LEN not in kwargs:  # SGLang 0.5.23 passes it on every call
         raise RuntimeError(
             "OmniAttn PD: DecodePreallocQueue._send_kv_metadata was called without "
             "decode_prefix_len; this SGLang version is not supported (the sink span needs it)"
@@ -165,7 +166,7 @@ def around_send_kv_metadata(original: Any, queue: Any, decode_req: Any, kv_indic
         req.kv.swa_evict_floor = _State.sink
     allocator = queue.token_to_kv_pool_allocator
     lo, hi = runtime_window.transfer_sink_span(
-        kwargs["decode_prefix_len"], len(req.origin_input_ids),
+        kwargs[_DECODE_PREFIX_LEN], len(req.origin_input_ids),
         queue.scheduler.sliding_window_size, _State.sink, allocator.page_size)
     if hi > lo and state_indices is not None:
         pages = _sink_pages(queue.req_to_token_pool.req_to_token, allocator,
@@ -179,7 +180,7 @@ def free_after_transfer(scheduler: Any, batch: Any) -> None:
     layers' slots between the sink and the window."""
     if scheduler.disaggregation_mode.value != "decode" or not batch.forward_mode.is_prebuilt():
         return
-    cache = getattr(scheduler, "tree_cache", None)
+    cache = scheduler.tree_cache  # declared: internals.SCHEDULER_TREE_CACHE
     if cache is None or not cache.supports_swa():
         return
     allocator = scheduler.token_to_kv_pool_allocator

@@ -45,28 +45,8 @@ logger = logging.getLogger("omniinfer")
 
 SUPPORTED_BACKENDS = ("torch_native", "omni_triton")
 PAGED_BACKENDS = ("omni_triton",)  # backends that serve compressed layers at any page size
-TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
-EVICT_SLIDING_WINDOWS = "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.evict_sliding_windows"
-SWA_COMPONENT_FREE = internals.SWA_FREE_OUT_OF_WINDOW.path
-ESTIMATE_SWA_TOKENS = internals.ESTIMATE_SWA_TOKENS.path
-SWA_REQUEST_CAP = internals.SWA_REQUEST_CAP.path
-POOL_CONFIGURATORS = (
-    "sglang.srt.model_executor.pool_configurator.HybridSWAPoolConfigurator",
-    "sglang.srt.model_executor.pool_configurator.SWARequestCapPoolConfigurator",
-)
-MAYBE_EVICT_SWA = "sglang.srt.managers.schedule_batch.ScheduleBatch.maybe_evict_swa"
-SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
 EVICTION_INTERVAL_ENV = "SGLANG_SWA_EVICTION_INTERVAL"
-SCHEDULER_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
-PROCESS_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 RADIX_BACKEND = "omni_attn"  # radix.BACKEND_NAME, without importing SGLang here
-# Options that swap the tree cache or its core for one without the sink rules.
-RADIX_CONFLICTS = (
-    ("enable_hierarchical_cache", "--enable-hierarchical-cache"),
-    ("enable_lmcache", "--enable-lmcache"),
-    ("enable_session_radix_cache", "--enable-session-radix-cache"),
-    ("enable_streaming_session", "--enable-streaming-session"),
-)
 
 
 # ---------------------------------------------------------------- launcher side
@@ -116,8 +96,9 @@ def prepare_namespace(namespace: argparse.Namespace, config: OmniConfig) -> Patt
             f"--omni-attn-pattern: needs --attention-backend {' or '.join(SUPPORTED_BACKENDS)}, "
             f"got {backend}"
         )
-    for phase in ("prefill", "decode"):
-        override = getattr(namespace, f"{phase}_attention_backend", None)
+    overrides = {"prefill": getattr(namespace, "prefill_attention_backend", None),
+                 "decode": getattr(namespace, "decode_attention_backend", None)}
+    for phase, override in overrides.items():
         if override not in (None, backend):
             raise OmniFlagError(
                 f"--omni-attn-pattern: --{phase}-attention-backend must be {backend} too, "
@@ -137,13 +118,13 @@ def prepare_namespace(namespace: argparse.Namespace, config: OmniConfig) -> Patt
         _check_pd(namespace, page_size)
     raw = getattr(namespace, "json_model_override_args", None) or "{}"
     try:
-        overrides = json.loads(raw)
+        model_overrides = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise OmniFlagError(f"--json-model-override-args is not valid JSON: {exc.msg}") from None
-    overrides.update(
+    model_overrides.update(
         runtime_window.model_overrides(pattern.num_layers, pattern.compressed_layers, pattern.recent)
     )
-    namespace.json_model_override_args = json.dumps(overrides)
+    namespace.json_model_override_args = json.dumps(model_overrides)
     _choose_radix_cache(namespace)
     if (
         getattr(namespace, "swa_full_tokens_ratio", None) is None
@@ -193,11 +174,11 @@ def _choose_radix_cache(namespace: argparse.Namespace) -> None:
             f"--omni-attn-pattern: --radix-cache-backend {chosen} does not keep the sink; "
             f"use {RADIX_BACKEND} (the default) or --disable-radix-cache"
         )
-    for attr, flag in RADIX_CONFLICTS:
-        if getattr(namespace, attr, False):
+    for field in internals.RADIX_CONFLICT_FIELDS:
+        if getattr(namespace, field.name, False):
             raise OmniFlagError(
-                f"--omni-attn-pattern: {flag} replaces the sink-aware radix cache; "
-                "drop it or add --disable-radix-cache"
+                f"--omni-attn-pattern: --{field.name.replace('_', '-')} replaces the sink-aware "
+                "radix cache; drop it or add --disable-radix-cache"
             )
     namespace.radix_cache_backend = RADIX_BACKEND
 
@@ -293,7 +274,7 @@ def _free_after_prefill(_result: Any, scheduler: Any, batch: Any, *_a: Any, **_k
         return
     if batch is None or not batch.forward_mode.is_extend() or batch.is_dllm():
         return
-    cache = getattr(scheduler, "tree_cache", None)
+    cache = scheduler.tree_cache  # declared: internals.SCHEDULER_TREE_CACHE
     if cache is None or not cache.supports_swa() or scheduler.disaggregation_mode.value == "prefill":
         return
     allocator = scheduler.token_to_kv_pool_allocator
@@ -336,7 +317,7 @@ def register(config: OmniConfig) -> None:
     """Worker-side hooks; the launcher already validated the pattern against the model."""
     from sglang.srt.plugins.hook_registry import HookType
 
-    from omniinfer.sglang_plugin import hooks
+    from omniinfer.sglang_plugin import hooks, targets
     from omniinfer.sglang_plugin.omni_attn import pd, radix, triton_backend
     from omniinfer.sglang_plugin.omni_attn.backend import CompressedAttention, around_forward
 
@@ -348,24 +329,21 @@ def register(config: OmniConfig) -> None:
     radix.configure(pattern.sink)
     pd.configure(pattern.sink, pattern.num_layers, len(pattern.compressed_layers))
     radix.register_backend()  # selected by the launcher's --radix-cache-backend
-    wanted: list[tuple[str, Callable[..., Any], HookType]] = [
-        (f"{TORCH_NATIVE}.forward_extend", around_forward(_State.attention, False), HookType.AROUND),
-        (f"{TORCH_NATIVE}.forward_decode", around_forward(_State.attention, True), HookType.AROUND),
-        (EVICT_SLIDING_WINDOWS, _around_evict, HookType.AROUND),
-        (SWA_COMPONENT_FREE, _around_component_free, HookType.AROUND),
-        (ESTIMATE_SWA_TOKENS, _with_sink_window(internals.ESTIMATE_SWA_TOKENS), HookType.AROUND),
-        (SWA_REQUEST_CAP, _with_sink_window(internals.SWA_REQUEST_CAP), HookType.AROUND),
-        *[
-            (f"{c}.calculate_pool_sizes_from_max_tokens", _around_sizes_from_max_tokens,
-             HookType.AROUND)
-            for c in POOL_CONFIGURATORS
-        ],
-        (PROCESS_BATCH_RESULT, _free_after_prefill, HookType.AFTER),
-        (MAYBE_EVICT_SWA, _refresh_status, HookType.AFTER),
-        (SCHEDULER_IDLE, _refresh_status, HookType.AFTER),
-        (SCHEDULER_INIT, _after_scheduler_init, HookType.AFTER),
-        (pd.SEND_KV_CHUNK, pd.around_send_kv_chunk, HookType.AROUND),
-        (pd.SEND_KV_METADATA, pd.around_send_kv_metadata, HookType.AROUND),
+    t, around, after = targets, HookType.AROUND, HookType.AFTER
+    wanted: list[tuple[targets.Target, Callable[..., Any], HookType]] = [
+        (t.TORCH_NATIVE_EXTEND, around_forward(_State.attention, False), around),
+        (t.TORCH_NATIVE_DECODE, around_forward(_State.attention, True), around),
+        (t.EVICT_SLIDING_WINDOWS, _around_evict, around),
+        (t.SWA_COMPONENT_FREE, _around_component_free, around),
+        (t.ESTIMATE_SWA_TOKENS, _with_sink_window(internals.ESTIMATE_SWA_TOKENS), around),
+        (t.SWA_REQUEST_CAP, _with_sink_window(internals.SWA_REQUEST_CAP), around),
+        *[(target, _around_sizes_from_max_tokens, around) for target in t.POOL_SIZES],
+        (t.PROCESS_BATCH_RESULT, _free_after_prefill, after),
+        (t.MAYBE_EVICT_SWA, _refresh_status, after),
+        (t.SCHEDULER_ON_IDLE, _refresh_status, after),
+        (t.SCHEDULER_INIT, _after_scheduler_init, after),
+        (t.SEND_KV_CHUNK, pd.around_send_kv_chunk, around),
+        (t.SEND_KV_METADATA, pd.around_send_kv_metadata, around),
     ]
     for target, hook, kind in wanted:
-        hooks.register(target, hook, kind, "OmniAttn sink + recent KV")
+        hooks.register(target, hook, kind)

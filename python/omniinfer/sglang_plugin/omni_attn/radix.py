@@ -402,6 +402,33 @@ def require_python_core(cache: Any) -> None:
             f"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND (or set it to python)")
 
 
+def require_sink_tree(scheduler: Any) -> None:
+    """At scheduler start with a pattern on: RuntimeError unless ``scheduler.tree_cache`` is
+    this backend's, a ``UnifiedRadixCache`` on SGLang's Python tree core whose SWA and full
+    components are :class:`SinkSWAComponent` and :class:`SinkFullComponent`. Passes when the
+    scheduler's radix cache is off (``disable_radix_cache``: nothing is cached, so no tree rule
+    applies). Every attribute read is a declared internal (``internals.SCHEDULER_STATE``)."""
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    if scheduler.disable_radix_cache:
+        return
+    cache = scheduler.tree_cache
+    if not isinstance(cache, UnifiedRadixCache):
+        raise RuntimeError(
+            f"omniinfer: --omni-attn-pattern needs --radix-cache-backend {BACKEND_NAME} (SGLang's "
+            f"unified radix cache with the sink rules), but the scheduler's tree cache is "
+            f"{type(cache).__name__}: cached prefixes would lose their sink")
+    require_python_core(cache)
+    wanted = component_overrides()
+    wrong = {ct.name: type(cache.components.get(ct)).__name__ for ct, cls in wanted.items()
+             if not isinstance(cache.components.get(ct), cls)}
+    if wrong:
+        raise RuntimeError(
+            f"omniinfer: --omni-attn-pattern needs the sink-aware tree components "
+            f"({', '.join(c.__name__ for c in wanted.values())}), but the scheduler's radix "
+            f"cache has {wrong}: the sink rules would be bypassed")
+
+
 def register_backend() -> None:
     """Make ``--radix-cache-backend omni_attn`` known in this process (idempotent)."""
     from sglang.srt.mem_cache.registry import (

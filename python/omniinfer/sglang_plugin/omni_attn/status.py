@@ -43,11 +43,11 @@ class AttnStatus:
     @classmethod
     def from_scheduler(cls, scheduler: Any, pattern: Pattern, attention: Any,
                        writer: bool) -> AttnStatus:
+        """The status of ``scheduler`` (its ``server_args``, ``tree_cache`` and the
+        ``max_total_tokens`` field are declared internals, checked at start-up)."""
         allocator = scheduler.token_to_kv_pool_allocator
-        server_args = getattr(scheduler, "server_args", None)
         return cls(pattern, allocator, allocator.get_kvcache(), attention,
-                   getattr(server_args, "max_total_tokens", None), writer,
-                   getattr(scheduler, "tree_cache", None))
+                   scheduler.server_args.max_total_tokens, writer, scheduler.tree_cache)
 
     def on_freed(self, slots: int) -> None:
         self.tokens_freed += slots

@@ -19,11 +19,10 @@ from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookType
 
-from omniinfer.sglang_plugin import hooks, internals
+from omniinfer.sglang_plugin import hooks, internals, targets
 
 logger = logging.getLogger("omniinfer")
 
-EPLB_MANAGER_INIT = "sglang.srt.eplb.eplb_manager.EPLBManager.__init__"
 DESCRIPTOR = "routed_experts_weights_of_layer"
 
 
@@ -56,5 +55,4 @@ def _after_manager_init(_result: Any, manager: Any, *_args: Any, **_kwargs: Any)
 
 
 def register() -> None:
-    hooks.register(EPLB_MANAGER_INIT, _after_manager_init, HookType.AFTER,
-                   "SGLang's EPLB on models without routed_experts_weights_of_layer")
+    hooks.register(targets.EPLB_MANAGER_INIT, _after_manager_init, HookType.AFTER)

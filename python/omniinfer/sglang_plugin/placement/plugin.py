@@ -9,12 +9,9 @@ from typing import Any
 from sglang.srt.plugins.hook_registry import HookType
 
 from omniinfer.flags import OmniConfig
-from omniinfer.sglang_plugin import hooks, internals
+from omniinfer.sglang_plugin import hooks, internals, targets
 
 logger = logging.getLogger("omniinfer")
-
-EPLB_FORWARD_PASS_END = "sglang.srt.eplb.eplb_manager.EPLBManager.on_forward_pass_end"
-STAT_ACCUMULATOR_APPEND = internals.STAT_ACCUMULATOR_APPEND.path
 
 
 class _State:
@@ -46,7 +43,5 @@ def _after_accumulator_append(_result: Any, accumulator: Any, *args: Any, **kwar
 
 def register(config: OmniConfig) -> None:
     _State.config = config
-    hooks.register(EPLB_FORWARD_PASS_END, _around_forward_pass_end, HookType.AROUND,
-                   "OmniPlacement decides instead of EPLB")
-    hooks.register(STAT_ACCUMULATOR_APPEND, _after_accumulator_append, HookType.AFTER,
-                   "OmniPlacement activation monitor")
+    hooks.register(targets.EPLB_FORWARD_PASS_END, _around_forward_pass_end, HookType.AROUND)
+    hooks.register(targets.STAT_ACCUMULATOR_APPEND, _after_accumulator_append, HookType.AFTER)
