@@ -69,3 +69,13 @@ def test_the_cli_answers_one_line_and_exit_2(capsys: pytest.CaptureFixture[str])
         assert main(["--attach", url]) == 2
     err = capsys.readouterr().err
     assert err.startswith("[demo] --attach:") and "no prefill" in err
+
+
+def test_a_report_past_its_bound_is_refused() -> None:
+    from omniinfer import demo_report
+
+    with _router_answering(b"{" + b" " * demo_report.MAX_REPORT_BYTES + b"}") as url, \
+            pytest.raises(ValueError, match="more than"):
+        demo_report.attn_lines(url, url)
+    with _router_answering(b'{"enabled": false}') as url:
+        assert demo_report.attn_lines(url, url) == ["OmniAttn: off (no pattern)"]

@@ -7,10 +7,17 @@ import re
 import urllib.request
 from typing import Any
 
+MAX_REPORT_BYTES = 8 << 20  # a server's /omni/* status or the router's /metrics: kilobytes
+
 
 def _get(url: str) -> Any:
+    """The JSON (or text) ``url`` answers; ValueError past ``MAX_REPORT_BYTES`` (with
+    ``--attach`` the servers are whatever the router lists)."""
     with urllib.request.urlopen(url, timeout=30) as r:
-        text = r.read().decode()
+        raw = r.read(MAX_REPORT_BYTES + 1)
+    if len(raw) > MAX_REPORT_BYTES:
+        raise ValueError(f"{url} answered more than {MAX_REPORT_BYTES} bytes")
+    text = raw.decode(errors="replace")
     return json.loads(text) if text.lstrip().startswith("{") else text
 
 
