@@ -27,7 +27,11 @@ pytestmark = pytest.mark.server
 # without ejecting a live one that is slow to answer while two cores run a long prefill.
 HEALTH = ["--health-check-interval-secs", "1", "--health-failure-threshold", "2",
           "--health-check-timeout-secs", "15"]
-LONG_PROMPT = TEXT[20000:34000]  # about 3,300 tokens: a prefill long enough to be caught in
+# About 1,600 tokens: several scheduler steps on the victim (chunks of 256), so the load poll
+# sees it held. Not longer: the retry's prefill on prefill_a (chunks of 384, torch_native
+# attention over the growing prefix) took 60-100 s at 3,900 tokens, on top of the decode
+# server's 30 s wait for the dead prefill's drain ack, and passed the client's 180 s once.
+LONG_PROMPT = TEXT[20000:25500]
 
 
 @pytest.fixture(scope="module")

@@ -39,9 +39,9 @@ bound of 32 cycles instead of 8 (SLO goodput under overload at the cost of the t
 deadline), judging "can still" with the soonest instance's predicted queue included;
 ``oas_edf_obs`` (and ``oas_obs``, the shipped order) judge "can still" with the *measured* delay
 instead: a high quantile of what recent requests spent between release and the end of their
-prefill beyond their own predicted compute (``cost.ObservedDelay``); ``oas_edf_q1`` and
-``oas_edf_obs_q1`` are those two with one batch, not two, queued at an instance, so that
-lateness is decided in the router's queue rather than in the instances'. What each part measured:
+prefill beyond their own predicted compute (``cost.ObservedDelay``); ``oas_edf_q1`` is
+``oas_edf`` with one batch, not two, queued at an instance (lateness decided in the router's
+queue rather than in the instances'). What each part measured:
 docs/benchmarks.md, "OmniProxy OAS evaluation" and "OmniProxy SLO capacity".
 """
 
@@ -206,5 +206,3 @@ OASEDFObserved = _variant("oas_edf_obs", order_name="fifo", late_observed=True)
 OASObserved = _variant("oas_obs", late_observed=True)
 OASEDFOneBatch = _variant("oas_edf_q1", order_name="fifo", late_with_queue=True,
                           queue_batches=1.0)
-OASEDFObservedOneBatch = _variant("oas_edf_obs_q1", order_name="fifo", late_observed=True,
-                                  queue_batches=1.0)
