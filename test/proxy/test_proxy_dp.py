@@ -122,7 +122,9 @@ def test_bodies_differ_only_by_the_rank_fields_and_a_one_rank_body_is_unchanged(
     plain, ranked = req.payloads(["r1"], {"bootstrap_room": 7}, [{}, {"routed_dp_rank": 2}])
     assert json.loads(plain) == {"text": "hi", "rid": "r1", "bootstrap_room": 7}
     assert json.loads(ranked) == {**json.loads(plain), "routed_dp_rank": 2}
-    assert req.worker_rids == ["r1"]  # one attempt, one rid
+    assert req.worker_rids == []  # the bodies change nothing; the attempt records its rids
+    req.attempted(["r1"], {"bootstrap_room": 7})
+    assert req.worker_rids == ["r1"] and req.bootstrap_room == 7  # one attempt, one rid
 
 
 def test_a_booking_holds_its_rank_and_gives_it_back_once_even_after_the_ranks_went() -> None:

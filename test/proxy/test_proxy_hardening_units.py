@@ -101,7 +101,9 @@ def _oas(role: Role, **config: Any) -> Any:
 def test_pd_prefill_booking_given_back_when_no_decode_decision_comes() -> None:
     """The client leaves while the decode decision waits (decode cap full): the prefill
     instance must not keep the booking (before, it never looked idle again)."""
-    from omniinfer.proxy.pd import _decide
+    from omniinfer.proxy.attempt import decide
+    from omniinfer.proxy.pd import PD
+    from omniinfer.proxy.request import Request
 
     async def run() -> dict[str, int]:
         prefill, decode = _oas(Role.PREFILL), _oas(Role.DECODE, oas_decode_max_running=1)
@@ -111,9 +113,11 @@ def test_pd_prefill_booking_given_back_when_no_decode_decision_comes() -> None:
         d.inflight_requests = 1  # at its cap: the decode decision waits
         router = SimpleNamespace(policies={Role.PREFILL: prefill, Role.DECODE: decode},
                                  indexes={Role.DECODE: PrefixIndex()})
-        route = RouteRequest("r1", 64, 8, (), 16)
-        ex = SimpleNamespace(route=route)
-        task = asyncio.ensure_future(_decide(router, ex, RouteRequest("r1", 64, 8), [p], [d]))
+        req = Request("r1", "generate")
+        req.prepare({}, 1, RouteRequest("r1", 64, 8, (), 16))
+        strategy = PD(router, None, req)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(decide(router, strategy,  # type: ignore[arg-type]
+                                            {Role.PREFILL: [p], Role.DECODE: [d]}))
         for _ in range(50):  # until the prefill side has booked the request
             await asyncio.sleep(0)
             if prefill.clock(p).sent:

@@ -1,33 +1,40 @@
-"""The attempt loop of one request, in both modes, and every booking it takes and gives back.
+"""The attempt loop of one request, in both modes, and every side effect of its attempts.
 
 ``route`` admits the request, then tries up to ``--max-attempts`` times. One attempt: the
 candidates of each role the strategy names (healthy, circuit closed, not yet failed for this
-request), the strategy's decisions (counted in /metrics, written to the access log), fresh rids,
-one ``Booking`` per decided worker, then the strategy's ``send``. A failure before any byte
-reached the client (``UpstreamFailure``) aborts the failed worker and every partner still at
-work, before any retry; the next attempt waits the backoff and leaves the failed worker out. A
-worker's refusal (``Passthrough``) goes to the client and stops its partners; a client that goes
-away aborts every worker of the attempt. Regular and PD mode differ only in their ``Strategy``.
+request), each role's policy deciding in turn on the strategy's view, the decisions (counted in
+/metrics, written to the access log), fresh rids, one ``Booking`` per decided worker, then the
+strategy's ``send``. A failure before any byte reached the client (``UpstreamFailure``) aborts
+the failed worker and every partner still at work, before any retry; the next attempt waits the
+backoff and leaves the failed worker out. A worker's refusal (``Passthrough``) goes to the client
+and stops its partners; a client that goes away aborts every worker of the attempt. Regular and
+PD mode differ only in their ``Strategy``, which crosses into this file only through its contract
+(``strategy.py``): what it reports, ``Attempt.report`` turns into phase marks, breaker results,
+policy hooks, cache checks and aborts (``_PHASE_OF``, ``_PREFILL_DONE``, ``_SUCCESS``).
 
-Each acquire here has its release on every exit path (answer, refusal, failure, exception,
-cancellation when the client leaves):
+Everything the router does to a worker's state for a request is done here: phase marks from
+prefill_waiting on (``route``, ``Attempt.report``; tokenize and apc_matching are ``forward.py``'s),
+breaker successes and failures, aborts, and these acquires, each with its release on every exit
+path (answer, refusal, failure, exception, cancellation when the client leaves):
   admission slot    ``route`` acquires it and gives it back in its ``finally``
-  policy decision   ``decide_in_turn`` gives back (``on_cancelled``) the decisions of a set cut short
+  policy decision   ``decide`` gives back (``on_cancelled``) the decisions of a set cut short
                     (a role without a decision, or the client left while one was awaited)
   booking           ``Booking()`` dispatches (load counters, prefix index, ``on_dispatch``);
                     ``_attempt``'s ``finally`` releases it (``on_complete``) unless a background
-                    task holds it (``Attempt.hold``): then that task's end releases it, and a
+                    task holds it (``Attempt.background``): then that task's end releases it, and a
                     failed or left attempt cancels the task. A booking is released once.
+A policy's own state beyond these hooks is its own: OAS books a prefill on its instance's clock
+when its queue releases it (the queue's next release must see it) and gives it back on the hooks
+called from here (``on_cancelled``, ``on_complete``, ``on_prefill_done``).
 """
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -35,16 +42,38 @@ from aiohttp import web
 from omniinfer.proxy.auth import error_response
 from omniinfer.proxy.dp import assign_ranks, rank_fields
 from omniinfer.proxy.policy_api import Decision, RouteRequest
-from omniinfer.proxy.request import PD_PHASES, Phase, Request
-from omniinfer.proxy.worker_http import UPSTREAM_PATHS, Passthrough, UpstreamFailure
+from omniinfer.proxy.request import Phase, Request
+from omniinfer.proxy.strategy import Event, HeldTask, Outbox, Strategy
+from omniinfer.proxy.worker_http import Passthrough, UpstreamFailure
 from omniinfer.proxy.workers import Role, Worker
 
 if TYPE_CHECKING:
     from omniinfer.proxy.core import Router
 
 log = logging.getLogger("omniinfer.proxy")
-HeldTask = asyncio.Task[tuple[int, bytes]]  # a worker's whole answer: (status, body)
-Choice = tuple[Role, Callable[[], RouteRequest], list[Worker]]  # role, its view, its workers
+Chosen = list[tuple[RouteRequest, Decision]]  # each role's view and decision, in role order
+
+# what each reported event does, by the reporting worker's role (``request.py``'s phase events)
+_PHASE_OF: dict[tuple[Event, Role], Phase] = {
+    (Event.POSTED, Role.REGULAR): Phase.PREFILL_SCHEDULED,
+    (Event.POSTED, Role.PREFILL): Phase.PREFILL_SCHEDULED,
+    (Event.HEAD, Role.REGULAR): Phase.PREFILL_RUNNING,
+    (Event.HEAD, Role.PREFILL): Phase.PREFILL_RUNNING,
+    (Event.ANSWER, Role.PREFILL): Phase.DECODE_WAITING,  # the prefill is done
+    (Event.OUTPUT, Role.DECODE): Phase.DECODE_SCHEDULED,
+    (Event.ANSWER, Role.DECODE): Phase.DECODE_RUNNING,  # non-streamed: no first token to see
+}
+# the worker finished the request's prefill: its policy learns how long it took
+_PREFILL_DONE = {(Event.OUTPUT, Role.REGULAR), (Event.ANSWER, Role.PREFILL)}
+_SUCCESS = {Event.ANSWER, Event.STREAM_END}  # the worker answered: its breaker's success
+
+
+def count_failure(router: Router, worker: Worker, kind: str) -> None:
+    """``worker`` failed an attempt with ``kind``. One that answered 401/403 (``auth``) did
+    answer (a breaker success) but fails all the same: the router's key is wrong."""
+    if kind == "auth":
+        worker.breaker.record_success()
+    router.record_failure(worker, kind)
 
 
 class Booking:
@@ -89,26 +118,36 @@ class Booking:
         self.router.policies[self.worker.role].on_complete(self.view, self.worker, ok)
 
     def task_done(self, task: HeldTask) -> None:
-        """The holding task ended: ok only if it answered 200; its upstream failure counts."""
+        """The holding task ended: ok only if it answered 200; its upstream failure counts,
+        and so does a refusal (the worker answered: a breaker success)."""
         exc = None if task.cancelled() else task.exception()
         if isinstance(exc, UpstreamFailure):
-            self.router.record_failure(self.worker, exc.kind)
-        self.release(not task.cancelled() and exc is None and task.result()[0] == 200)
+            count_failure(self.router, self.worker, exc.kind)
+        ok = not task.cancelled() and exc is None and task.result()[0] == 200
+        if not ok and not task.cancelled() and exc is None:
+            self.worker.breaker.record_success()
+        self.release(ok)
 
 
-class Attempt:
+class Attempt(Outbox):
     """One try of a request: its bookings (in the strategy's role order), rids and the body
-    each decided worker gets (the same but for its DP rank fields, ``dp.py``)."""
+    each decided worker gets (the same but for its DP rank fields, ``dp.py``); the ``Outbox``
+    its strategy sends through, whose ``report`` does what each event means."""
 
-    __slots__ = ("router", "request", "bookings", "rids", "payloads", "posted")
+    __slots__ = ("router", "client", "request", "bookings", "rids", "payloads", "posted")
 
-    def __init__(self, router: Router, request: Request, rids: list[str],
+    def __init__(self, router: Router, client: web.Request, request: Request, rids: list[str],
                  payloads: dict[Worker, bytes]) -> None:
-        self.router, self.request, self.rids, self.payloads = router, request, rids, payloads
+        self.router, self.client, self.request = router, client, request
+        self.rids, self.payloads = rids, payloads
         self.bookings: list[Booking] = []  # made by the loop, one per decision
         self.posted = 0.0
 
-    def payload_for(self, worker: Worker) -> bytes:
+    @property
+    def workers(self) -> Sequence[Worker]:
+        return [b.worker for b in self.bookings]
+
+    def payload(self, worker: Worker) -> bytes:
         return self.payloads[worker]
 
     def booking(self, worker: Worker) -> Booking | None:
@@ -117,31 +156,64 @@ class Attempt:
                 return b
         return None
 
-    def hold(self, worker: Worker, task: HeldTask) -> None:
-        """``worker``'s booking lasts until ``task`` ends, even past the attempt's answer."""
+    def background(self, worker: Worker,
+                   request: Coroutine[Any, Any, tuple[int, bytes]]) -> HeldTask:
+        task = self.router.spawn(request)
         booking = self.booking(worker)
         assert booking is not None and booking.task is None
         booking.task = task
         task.add_done_callback(booking.task_done)
+        return task
 
     def cancel_held(self) -> None:
         for b in self.bookings:
             if b.task is not None:
                 b.task.cancel()
 
-    def scheduled(self) -> None:
-        """The first post goes out now: prefill_scheduled starts (``prefill_done`` times it)."""
-        self.posted = time.perf_counter()
-        self.request.life.enter(Phase.PREFILL_SCHEDULED, self.posted)
+    def report(self, event: Event, worker: Worker, detail: Any = None) -> None:
+        now = time.perf_counter()
+        req, key = self.request, (event, worker.role)
+        if event is Event.POSTED:
+            self.posted = now  # prefill_scheduled starts (the prefill's time counts from here)
+        phase = _PHASE_OF.get(key)
+        if phase is not None:
+            req.life.enter(phase, now)
+        if event in _SUCCESS:
+            worker.breaker.record_success()
+        if key in _PREFILL_DONE:
+            booking = self.booking(worker)
+            view = req.route if booking is None else booking.view
+            self.router.policies[worker.role].on_prefill_done(view, worker, now - self.posted)
+        elif event is Event.CACHED:
+            self._cache_reported(worker, detail)
+        elif event is Event.FIRST_TOKEN:
+            req.life.token(now)
+        elif event is Event.STREAM_FAILED:
+            kind, what = detail
+            self.router.record_failure(worker, kind)
+            req.error = f"{worker.url} failed mid-stream: {what}"
+            self.stop(worker, kind)
+        elif event is Event.STREAM_CUT:
+            req.error = "cut by the router's shutdown"
+            self.stop(worker, "shutdown")
 
-    def prefill_done(self, worker: Worker, now: float | None = None) -> None:
-        """``worker`` finished this request's prefill: its policy learns how long it took."""
-        seconds = (time.perf_counter() if now is None else now) - self.posted
+    def held(self, worker: Worker) -> bool:
+        """``worker``'s booking is held by a task (whose end counts its breaker result)."""
         booking = self.booking(worker)
-        view = self.request.route if booking is None else booking.view
-        self.router.policies[worker.role].on_prefill_done(view, worker, seconds)
+        return booking is not None and booking.task is not None
 
-    def cache_reported(self, worker: Worker, reported: int | None) -> None:
+    def stop(self, worker: Worker, cause: str) -> None:
+        """Abort ``worker`` (``cause``) and its partners still at work (``<role>_failed``)."""
+        self.router.abort(worker, self.rids, cause)
+        self.stop_partners(worker, f"{worker.role.value}_failed")
+
+    def stop_partners(self, worker: Worker, cause: str) -> None:
+        """Abort the attempt's workers other than ``worker`` that are still at work."""
+        for b in self.bookings:
+            if b.worker is not worker and b.working:
+                self.router.abort(b.worker, self.rids, cause)
+
+    def _cache_reported(self, worker: Worker, reported: int | None) -> None:
         """Predicted vs reported cached tokens of the worker that served a single prompt."""
         req = self.request
         if req.batch != 1:
@@ -152,59 +224,26 @@ class Attempt:
             req.route.block_size))
 
 
-class Strategy(abc.ABC):
-    """What one mode does in an attempt; one instance per request.
-
-    ``roles``: the roles decided per attempt, in order (a booking per role, same order).
-    ``phases``: the lifecycle phases of the mode (``request.py``), set on the request's clock.
-    ``decide`` returns one decision per role, each worker among that role's candidates (all
-    non-empty), or None; it uses ``decide_in_turn`` so that a set cut short is given back.
-    ``cost``: the policy view and the tokens booked on a decided worker. ``extra``: fields added
-    to the workers' body. ``send`` posts the attempt and answers the client; it raises
-    ``UpstreamFailure`` (nothing reached the client) or ``Passthrough`` (a worker refused).
-    """
-
-    roles: tuple[Role, ...] = ()
-    phases: tuple[Phase, ...] = PD_PHASES
-
-    def __init__(self, router: Router, client: web.Request, request: Request) -> None:
-        self.router, self.client, self.request = router, client, request
-        request.life.phases = self.phases
-        self.path = UPSTREAM_PATHS[request.endpoint]
-
-    @abc.abstractmethod
-    async def decide(self, candidates: dict[Role, list[Worker]]) -> list[Decision] | None: ...
-
-    @abc.abstractmethod
-    def cost(self, decision: Decision) -> tuple[RouteRequest, int]: ...
-
-    def extra(self, decisions: list[Decision]) -> dict[str, Any] | None:
-        return None
-
-    @abc.abstractmethod
-    async def send(self, attempt: Attempt) -> web.StreamResponse: ...
-
-
-async def decide_in_turn(router: Router, choices: Sequence[Choice]) -> list[Decision] | None:
-    """Each role's policy decides in turn (``schedule`` on the view, made when its turn comes,
-    and that role's workers); None if one has no decision. Decisions of a set cut short, by a
-    missing decision or by cancellation, are given back to their policies (``on_cancelled``)."""
-    decisions: list[Decision] = []
-    views: list[RouteRequest] = []
+async def decide(router: Router, strategy: Strategy,
+                 candidates: dict[Role, list[Worker]]) -> Chosen | None:
+    """Each role's policy decides in turn (``schedule`` on the strategy's view of that role,
+    asked when its turn comes, and that role's candidates); None if one has no decision.
+    Decisions of a set cut short, by a missing decision or by cancellation, are given back to
+    their policies (``on_cancelled``)."""
+    chosen: Chosen = []
     complete = False
     try:
-        for role, view_of, workers in choices:
-            view = view_of()
-            decision = await router.policies[role].schedule(view, workers)
+        for role in strategy.roles:
+            view = strategy.view(role)
+            decision = await router.policies[role].schedule(view, candidates[role])
             if decision is None:
                 return None
-            decisions.append(decision)
-            views.append(view)
+            chosen.append((view, decision))
         complete = True
-        return decisions
+        return chosen
     finally:
         if not complete:
-            for (role, _, _), view, decision in zip(choices, views, decisions, strict=False):
+            for role, (view, decision) in zip(strategy.roles, chosen, strict=False):
                 router.policies[role].on_cancelled(view, decision.worker)
 
 
@@ -231,18 +270,20 @@ async def _attempts(router: Router, strategy: Strategy) -> web.StreamResponse:
                       for role in strategy.roles}
         if not all(candidates.values()):
             break
-        decisions = await strategy.decide(candidates)
-        if decisions is None:
+        chosen = await decide(router, strategy, candidates)
+        if chosen is None:
             break
+        decisions = [decision for _, decision in chosen]
         assign_ranks(decisions)
         for decision in decisions:
             _decided(router, req, decision, number)
-        extra = strategy.extra(decisions)
+        fields = strategy.fields([d.worker for d in decisions])
         rids = router.new_rids(req.batch)
-        bodies = req.payloads(rids, extra, rank_fields(decisions))
-        attempt = Attempt(router, req, rids,
+        req.attempted(rids, fields)
+        bodies = req.payloads(rids, fields, rank_fields(decisions))
+        attempt = Attempt(router, strategy.client, req, rids,
                           {d.worker: body for d, body in zip(decisions, bodies, strict=True)})
-        outcome = await _attempt(router, strategy, attempt, decisions)
+        outcome = await _attempt(router, strategy, attempt, chosen)
         if not isinstance(outcome, UpstreamFailure):
             return outcome
         failure = outcome
@@ -256,34 +297,30 @@ async def _attempts(router: Router, strategy: Strategy) -> web.StreamResponse:
 
 
 async def _attempt(router: Router, strategy: Strategy, attempt: Attempt,
-                   decisions: list[Decision]) -> web.StreamResponse | UpstreamFailure:
+                   chosen: Chosen) -> web.StreamResponse | UpstreamFailure:
     """Book the decided workers and send; the answer, or the failure that ended the attempt
     (its workers aborted). Whatever ends it, each booking made here is released (a held one
-    when its task ends)."""
+    when its task ends, which also counts its worker's breaker result)."""
     req, rids, ok = attempt.request, attempt.rids, False
     try:
-        for decision in decisions:
-            view, cost = strategy.cost(decision)
-            attempt.bookings.append(Booking(router, view, decision.worker, cost, decision.rank))
+        for view, decision in chosen:
+            attempt.bookings.append(Booking(router, view, decision.worker,
+                                            strategy.cost(decision.worker), decision.rank))
         out = await strategy.send(attempt)
         ok = True
         return out
     except Passthrough as refused:  # a worker refused the request: its partners stop too
         ok = True
-        for b in attempt.bookings:
-            if b.worker is not refused.worker and b.working:
-                router.abort(b.worker, rids, "refused")
+        if not attempt.held(refused.worker):
+            refused.worker.breaker.record_success()  # it answered
+        attempt.stop_partners(refused.worker, "refused")
         return refused.response
     except UpstreamFailure as f:
-        failed = attempt.booking(f.worker)
-        if failed is None or failed.task is None:  # a held one counts when its task ends
-            router.record_failure(f.worker, f.kind)
+        if not attempt.held(f.worker):
+            count_failure(router, f.worker, f.kind)
         req.failed(f.worker.url, f)
         # before any retry: the worker that failed, and its partners, stop this attempt
-        router.abort(f.worker, rids, f.kind)
-        for b in attempt.bookings:
-            if b.worker is not f.worker and b.working:
-                router.abort(b.worker, rids, f"{f.worker.role.value}_failed")
+        attempt.stop(f.worker, f.kind)
         attempt.cancel_held()
         return f
     except (asyncio.CancelledError, ConnectionResetError):

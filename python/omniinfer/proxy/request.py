@@ -6,19 +6,21 @@ the current attempt, the ``Lifecycle`` (phase clock, read by /metrics) and, as t
 the access log gets; ``access_record`` writes the access-log line from them.
 
 The eight request phases of the paper, each timestamped, as the router can observe them; each
-starts at the event named here (marked where that event happens, file in brackets):
+starts at the event named here, marked by ``forward.py`` before routing, then by ``attempt.py``
+(``route``; ``Attempt.report``, from the strategy's event in brackets, ``strategy.Event``):
   tokenize           arrival (body read, then tokenized)                         [forward]
   apc_matching       prompt tokenized; prefix blocks hashed and matched           [forward]
-  prefill_waiting    the request goes to admission and the (prefill) policy       [attempt]
-  prefill_scheduled  the attempt's first post went out                            [attempt]
-  prefill_running    the (prefill) worker's response head                         [regular/pd]
+  prefill_waiting    the request goes to admission and the (prefill) policy       [route]
+  prefill_scheduled  the attempt's first post went out                            [POSTED]
+  prefill_running    the (prefill) worker's response head                         [HEAD]
   decode_waiting     PD: the prefill worker's answer completed: prefill done; the
-                     decode worker waits for the KV and a decode slot             [pd]
+                     decode worker waits for the KV and a decode slot             [ANSWER]
   decode_scheduled   PD: the decode worker's first output reached the router (a
-                     stream's first event; a non-streamed answer's head)          [pd]
+                     stream's first event; a non-streamed answer's head)          [OUTPUT]
   decode_running     first output token sent to the client (``token``: a stream's
                      first event, which also times TTFT); PD non-streamed: the
-                     decode answer read whole, before it goes to the client    [worker_http/pd]
+                     decode answer read whole, before it goes to the client
+                                                               [FIRST_TOKEN; decode ANSWER]
 Regular mode goes through ``REGULAR_PHASES`` (no decode_waiting/decode_scheduled; a
 non-streamed answer shows no first token, so its prefill_running lasts to the end), PD through
 all eight. Phases are entered in order; a phase entered after a later one is ignored (in PD the
@@ -193,14 +195,20 @@ class Request:
         self.client_rid = body.get("rid")
         self.prepared = True
 
+    def attempted(self, rids: list[str], fields: dict[str, Any] | None) -> None:
+        """An attempt begins with ``rids`` and the body ``fields`` its strategy added: the rids
+        become the current attempt's; they and PD's ``bootstrap_room`` go to the access log."""
+        self.rids = rids
+        self.worker_rids.append(rids[0] if self.batch == 1 else rids)
+        if fields and "bootstrap_room" in fields:
+            self.bootstrap_room = fields["bootstrap_room"]
+
     def payloads(self, rids: list[str], extra: dict[str, Any] | None,
                  per_worker: Sequence[dict[str, Any]]) -> list[bytes]:
         """The workers' bodies of one attempt, one per entry of ``per_worker`` (fields only that
-        worker gets: its DP rank): the router's rid(s) (never the client's), plus ``extra``;
-        the rids become the current attempt's and go to the access log."""
-        self.rids = rids
+        worker gets: its DP rank): the client's body with the router's rid(s) (never the
+        client's), plus ``extra``. Changes nothing."""
         rid: Any = rids[0] if self.batch == 1 else rids
-        self.worker_rids.append(rid)
         body = dict(self.body)
         body["rid"] = rid
         if extra:

@@ -15,7 +15,6 @@ about a megabyte is read (the reader's pause threshold), only for the log.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -23,6 +22,7 @@ from aiohttp import web
 
 from omniinfer.proxy.http1_response import Response, UpstreamTooLarge
 from omniinfer.proxy.request import Request
+from omniinfer.proxy.strategy import Event, Outbox
 from omniinfer.proxy.workers import Worker
 
 if TYPE_CHECKING:
@@ -89,7 +89,6 @@ async def post(router: Router, worker: Worker, path: str, payload: bytes,
             raise _failure(worker, "read", exc) from None
         finally:
             resp.release()
-        worker.breaker.record_success()
         if resp.status in (401, 403):  # the router's key, not the client's fault
             raise UpstreamFailure(worker, "auth", f"HTTP {resp.status}: check --api-key")
         raise Passthrough(web.Response(status=resp.status, body=data,
@@ -165,65 +164,60 @@ def _error_event(message: str, kind: str, code: int) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\ndata: [DONE]\n\n"
 
 
-async def pipe(router: Router, request: web.Request, req: Request, resp: Response,
-               first: bytes, worker: Worker,
-               on_upstream_error: Callable[[], Any] | None = None) -> web.StreamResponse:
-    """Send the upstream stream to the client; a mid-stream failure, or the router's shutdown
-    cutting it (``drain.py``), ends it with one error event and ``[DONE]``.
+async def pipe(out: Outbox, worker: Worker, resp: Response, first: bytes) -> web.StreamResponse:
+    """Send ``worker``'s stream (``first``, its first event, then the rest of ``resp``) to the
+    attempt's client; a mid-stream failure, or the router's shutdown cutting it (``drain.py``),
+    ends it with one error event and ``[DONE]``. What happened is reported to ``out``
+    (``FIRST_TOKEN``, then ``STREAM_END``, ``STREAM_FAILED`` or ``STREAM_CUT``): the attempt
+    counts it and aborts whom it must.
 
     Streaming clients stop reading at ``data: [DONE]`` and close, often before the worker's
     stream or the chunked terminator has ended: once that event was written the answer is
     delivered (``req.delivered``), and a disconnect after it is no failure."""
-    out = web.StreamResponse(status=200, headers={
+    router, req = out.router, out.request
+    answer = web.StreamResponse(status=200, headers={
         "Content-Type": resp.headers.get("content-type", "text/event-stream"),
         "Cache-Control": "no-cache", **req.headers})
     idle = router.config.upstream_idle_timeout_secs
     tail = first
     try:
         req.begun = True
-        await out.prepare(request)
-        req.life.token()
+        await answer.prepare(out.client)
+        out.report(Event.FIRST_TOKEN, worker)
         req.output_events = first.count(b"data:")
-        await out.write(first)
+        await answer.write(first)
         req.delivered = DONE in first
         while True:
             try:
                 chunk = await resp.readany(idle)
             except UPSTREAM_ERRORS as exc:
                 kind = "idle_timeout" if isinstance(exc, asyncio.TimeoutError) else "mid_stream"
-                router.record_failure(worker, kind)
-                req.error = f"{worker.url} failed mid-stream: {exc.__class__.__name__}"
-                router.abort(worker, req.rids, kind)
-                if on_upstream_error is not None:
-                    on_upstream_error()
-                await out.write(_error_event(f"upstream worker failed mid-stream ("
-                                             f"{exc.__class__.__name__}); the output is "
-                                             "incomplete", "upstream_error", 502))
+                out.report(Event.STREAM_FAILED, worker, (kind, exc.__class__.__name__))
+                await answer.write(_error_event(f"upstream worker failed mid-stream ("
+                                                f"{exc.__class__.__name__}); the output is "
+                                                "incomplete", "upstream_error", 502))
                 break
             if not chunk:
-                worker.breaker.record_success()
+                out.report(Event.STREAM_END, worker)
                 break
             req.output_events += chunk.count(b"data:")
             tail = tail[-2048:] + chunk if len(chunk) < 4096 else chunk[-4096:]
-            await out.write(chunk)
+            await answer.write(chunk)
             req.delivered = req.delivered or DONE in tail[-len(chunk) - len(DONE):]
         try:
-            await out.write_eof()
+            await answer.write_eof()
         except ConnectionResetError:
             if not req.delivered:
                 raise
     except (asyncio.CancelledError, ConnectionResetError) as exc:
-        if isinstance(exc, asyncio.CancelledError) and out.prepared and not req.delivered \
+        if isinstance(exc, asyncio.CancelledError) and answer.prepared and not req.delivered \
                 and router.drain.take_cut():
             # the router is shutting down: the stream ends with one error, the workers stop
-            req.error = "cut by the router's shutdown"
-            router.abort(worker, req.rids, "shutdown")
-            if on_upstream_error is not None:
-                on_upstream_error()
+            out.report(Event.STREAM_CUT, worker)
             boundary = b"" if tail.endswith(b"\n\n") else b"\n\n"  # end a torn event first
-            await out.write(boundary + _error_event("the router is shutting down; the output "
-                                                    "is incomplete", "shutdown", 503))
-            await out.write_eof()
+            await answer.write(boundary + _error_event("the router is shutting down; the "
+                                                       "output is incomplete", "shutdown", 503))
+            await answer.write_eof()
         else:
             if req.delivered:  # the client left after its last event: count what it got
                 req.tail = tail
@@ -233,4 +227,4 @@ async def pipe(router: Router, request: web.Request, req: Request, resp: Respons
         resp.close()
     req.tail = tail
     count_output(req, tail)
-    return out
+    return answer
