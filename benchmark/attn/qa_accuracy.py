@@ -112,7 +112,9 @@ def ask(base_url: str, questions: list[dict[str, Any]], label: str) -> list[bool
 
 def serve(args: argparse.Namespace, pattern: Path | None, context: int,
           questions: list[dict[str, Any]], label: str) -> list[bool]:
-    from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
+    from omniinfer.child_process import free_port
+    from omniinfer.cpu.server_env import cpu_env
+    from omniinfer.testbed.servers import SGLangServer, cpu_server_command
 
     port = free_port()
     extra = ["--chunked-prefill-size", "512", "--disable-radix-cache"]

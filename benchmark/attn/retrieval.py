@@ -94,7 +94,9 @@ def summarise(cases: list[passkey.PasskeyCase], passed: list[bool]) -> dict[str,
 def through_server(args: argparse.Namespace, cases: list[passkey.PasskeyCase],
                    masked: list[bool]) -> dict[str, Any]:
     """The cases' prompts (without the key) through a real server with the first pattern."""
-    from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
+    from omniinfer.child_process import free_port
+    from omniinfer.cpu.server_env import cpu_env
+    from omniinfer.testbed.servers import SGLangServer, cpu_server_command
 
     port = free_port()
     context = max(len(c.ids) for c in cases)

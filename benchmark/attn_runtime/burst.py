@@ -10,7 +10,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
+from omniinfer.child_process import free_port
+from omniinfer.cpu.server_env import cpu_env
+from omniinfer.testbed.servers import SGLangServer, cpu_server_command
 
 SAMPLE_S = 0.5  # how often /v1/loads is read while the burst runs
 PATTERN_FLAG = "--omni-attn-pattern"

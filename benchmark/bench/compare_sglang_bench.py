@@ -22,7 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
+from omniinfer.child_process import free_port
+from omniinfer.cpu.server_env import cpu_env
+from omniinfer.testbed.servers import SGLangServer, cpu_server_command
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).resolve().parent / "results"

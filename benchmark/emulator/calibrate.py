@@ -246,7 +246,9 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
 
-    from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
+    from omniinfer.child_process import free_port
+    from omniinfer.cpu.server_env import cpu_env
+    from omniinfer.testbed.servers import SGLangServer, cpu_server_command
 
     load_before = os.getloadavg()
     validation = validation_requests()

@@ -40,15 +40,16 @@ from typing import Any
 from tqdm import tqdm
 
 import omniinfer.data
-from omniinfer.launch import cpu_env, free_port
-from omniinfer.launch_pd import (
+from omniinfer.child_process import free_port
+from omniinfer.cpu.server_env import cpu_env
+from omniinfer.proxy.process import RouterProcess
+from omniinfer.testbed.pd_servers import (
     SGLangRouterProcess,
     pd_server,
     router_args,
     started,
     wait_idle,
 )
-from omniinfer.proxy.process import RouterProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

@@ -26,9 +26,9 @@ from typing import Any
 from tqdm import tqdm
 
 import omniinfer.data
-from omniinfer.launch import free_port
-from omniinfer.launch_pd import pd_server, router_args, started
+from omniinfer.child_process import free_port
 from omniinfer.proxy.process import RouterProcess
+from omniinfer.testbed.pd_servers import pd_server, router_args, started
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

@@ -42,7 +42,7 @@ from typing import Any
 from tqdm import tqdm
 
 from omniinfer.cpu.server_defaults import PD_POLL_MS_ENV
-from omniinfer.launch_pd import load, pd_server, plain_server, started
+from omniinfer.testbed.pd_servers import load, pd_server, plain_server, started
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

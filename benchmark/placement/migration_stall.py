@@ -33,8 +33,10 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
-from omniinfer.models import tiny
+from omniinfer.child_process import free_port
+from omniinfer.cpu.server_env import cpu_env
+from omniinfer.testbed.models import tiny
+from omniinfer.testbed.servers import SGLangServer, cpu_server_command
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = dict(hidden_size=256, moe_intermediate_size=512, num_experts=16, num_experts_per_tok=2,

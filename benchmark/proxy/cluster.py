@@ -20,8 +20,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from omniinfer.child_process import ManagedProcess, free_port
 from omniinfer.emulator.process import EmulatorProcess
-from omniinfer.launch import ManagedProcess, free_port
 
 __all__ = ["PEERS", "EmulatedCluster", "add_peer_args", "free_port", "omni_poll_s",
            "omni_router_args", "omni_router_command", "peer_decode_policy", "peer_of",

@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from omniinfer.launch import free_port
+from omniinfer.child_process import free_port
 from omniinfer.proxy.config import RouterConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -42,7 +42,7 @@ import aiohttp
 from attacks import ADMIN_KEY, USER_KEY
 from hostile_worker import ATTACKS, HOSTILE_TEXT, MARKER
 
-from omniinfer.launch import ManagedProcess, free_port
+from omniinfer.child_process import ManagedProcess, free_port
 from omniinfer.proxy.process import RouterProcess
 
 HERE = Path(__file__).resolve().parent

@@ -44,7 +44,7 @@ import aiohttp
 import psutil
 from tqdm import tqdm
 
-from omniinfer.launch import free_port
+from omniinfer.child_process import free_port
 
 HERE = Path(__file__).resolve().parent
 BODY = {"text": "hello router", "sampling_params": {"max_new_tokens": 1}}

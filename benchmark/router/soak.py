@@ -52,7 +52,7 @@ from attacks import ADMIN_KEY, WEIGHTS, attack, router_flags  # noqa: E402
 from hostile import add_arguments as add_hostile_arguments  # noqa: E402
 from hostile import run as run_hostile  # noqa: E402
 
-from omniinfer.launch import free_port  # noqa: E402
+from omniinfer.child_process import free_port  # noqa: E402
 from omniinfer.proxy.process import RouterProcess  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

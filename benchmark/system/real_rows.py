@@ -44,7 +44,9 @@ sys.path.insert(0, str(HERE.parent / "placement"))
 from burst import serve_burst  # noqa: E402
 from migration_stall import stream  # noqa: E402  (one stream's token arrival times)
 
-from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port  # noqa: E402
+from omniinfer.child_process import free_port  # noqa: E402
+from omniinfer.cpu.server_env import cpu_env  # noqa: E402
+from omniinfer.testbed.servers import SGLangServer, cpu_server_command  # noqa: E402
 
 MOE = ROOT / ".cache" / "models" / "SmolLM2-135M-MoE"
 PATTERN = ROOT / "python" / "omniinfer" / "attn" / "patterns" / "smollm2-135m-moe.json"

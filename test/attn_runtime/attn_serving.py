@@ -20,7 +20,9 @@ import torch
 from omni_testing import post_json
 from omniinfer.attn import masks, text
 from omniinfer.attn.pattern import Pattern, from_layers
-from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
+from omniinfer.child_process import free_port
+from omniinfer.cpu.server_env import cpu_env
+from omniinfer.testbed.servers import SGLangServer, cpu_server_command
 
 SINK, RECENT = 16, 64  # the SmolLM2 servers' pattern (conftest's ``pattern``)
 

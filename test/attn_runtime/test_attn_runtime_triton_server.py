@@ -19,7 +19,7 @@ from attn_serving import generate, masked_greedy, patterned_server, saved_patter
 
 from omniinfer.attn import evaluator, masks
 from omniinfer.attn.pattern import Pattern
-from omniinfer.launch import cpu_env
+from omniinfer.cpu.server_env import cpu_env
 
 pytestmark = pytest.mark.server
 

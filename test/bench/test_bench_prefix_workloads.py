@@ -18,8 +18,8 @@ import pytest
 from omniinfer.bench.prefix_workloads import multi_turn, prefix_groups
 from omniinfer.bench.runner import Turns
 from omniinfer.bench.workloads import BenchRequest, WorkloadSpec, poisson_arrivals
+from omniinfer.child_process import ManagedProcess, free_port
 from omniinfer.cli import main
-from omniinfer.launch import ManagedProcess, free_port
 
 
 class WordTokenizer:

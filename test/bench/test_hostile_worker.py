@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "rout
 import hostile  # noqa: E402
 import hostile_worker as hw  # noqa: E402
 
+from omniinfer.child_process import free_port  # noqa: E402
 from omniinfer.kv_event_wire import ProtocolError, decode_batch  # noqa: E402
-from omniinfer.launch import free_port  # noqa: E402
 from omniinfer.load_feed_wire import decode_load  # noqa: E402
 from omniinfer.proxy.cache_truth import sources_from_server_info  # noqa: E402
 from omniinfer.proxy.load_subscriber import feed_endpoints  # noqa: E402

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from omniinfer.launch import free_port
+from omniinfer.child_process import free_port
 
 pytestmark = pytest.mark.server
 ROOT = Path(__file__).resolve().parents[2]

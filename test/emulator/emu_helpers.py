@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from omni_testing import wait_until  # noqa: F401  (re-exported for the tests)
+from omniinfer.child_process import free_port
 from omniinfer.emulator.process import EmulatorProcess
-from omniinfer.launch import free_port
 
 CAPTURE = Path(__file__).with_name("sglang_0.5.23_capture.json")
 

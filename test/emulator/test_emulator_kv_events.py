@@ -22,8 +22,8 @@ from sglang.srt.disaggregation.kv_events import (
     KVEventBatch,
 )
 
+from omniinfer.child_process import free_port
 from omniinfer.emulator.process import EmulatorProcess
-from omniinfer.launch import free_port
 
 DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from emu_helpers import request, start_emulator, wait_until
 
+from omniinfer.child_process import free_port
 from omniinfer.emulator.process import EmulatorProcess
 from omniinfer.emulator.server import EXIT_STATUS
-from omniinfer.launch import free_port
 
 
 @pytest.fixture(scope="module")

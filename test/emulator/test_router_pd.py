@@ -10,7 +10,7 @@ import pytest
 from emu_helpers import request, sse_events, start_emulator
 
 from omniinfer.emulator.process import EmulatorProcess
-from omniinfer.launch_pd import sglang_router
+from omniinfer.testbed.pd_servers import sglang_router
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("sglang_router") is None, reason="sglang-router is not installed"

@@ -11,9 +11,9 @@ from typing import Any
 import omniinfer.data
 from omni_testing import post as http_post
 from omni_testing import sse_events
-from omniinfer.launch import free_port
-from omniinfer.launch_pd import wait_idle
+from omniinfer.child_process import free_port
 from omniinfer.proxy.process import RouterProcess
+from omniinfer.testbed.pd_servers import wait_idle
 
 TEXT = (Path(omniinfer.data.__file__).parent / "text" / "paradise_lost.txt").read_text()
 START = TEXT.index("Of Mans First Disobedience") if "Of Mans First Disobedience" in TEXT else 0
@@ -56,7 +56,7 @@ def assert_idle(url: str, timeout_s: float = 60.0) -> None:
 @contextmanager
 def omniproxy(servers: Sequence[Any], policy: str, model: Path, log_dir: Path,
               extra: Sequence[str] = ()) -> Iterator[RouterProcess]:
-    from omniinfer.launch_pd import router_args
+    from omniinfer.testbed.pd_servers import router_args
 
     args = [*router_args(servers), "--prefill-policy", policy,
             "--decode-policy", "oas" if policy.startswith("oas") else "round_robin",
@@ -68,7 +68,7 @@ def omniproxy(servers: Sequence[Any], policy: str, model: Path, log_dir: Path,
 @contextmanager
 def sglang_router(servers: Sequence[Any], log_dir: Path, policy: str = "round_robin"
                   ) -> Iterator[Any]:
-    from omniinfer.launch_pd import sglang_router as peer
+    from omniinfer.testbed.pd_servers import sglang_router as peer
 
     with peer(servers, log_dir / f"sglang-router-{free_port()}.log", policy) as router:
         yield router

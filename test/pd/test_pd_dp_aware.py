@@ -17,8 +17,8 @@ import psutil
 import pytest
 from pd_helpers import PROMPTS, assert_idle, gen_body, omniproxy, post, stream_text
 
-from omniinfer.launch import cpu_env
-from omniinfer.launch_pd import pd_server, plain_server, started
+from omniinfer.cpu.server_env import cpu_env
+from omniinfer.testbed.pd_servers import pd_server, plain_server, started
 
 pytestmark = pytest.mark.server
 MAX_TOTAL_TOKENS = 4096

@@ -17,7 +17,7 @@ from pd_helpers import PROMPTS, TEXT, assert_idle, gen_body, omniproxy, post, sg
 
 from omniinfer.attn import runtime_window
 from omniinfer.attn.pattern import load
-from omniinfer.launch_pd import pd_server, plain_server, started
+from omniinfer.testbed.pd_servers import pd_server, plain_server, started
 
 pytestmark = pytest.mark.server
 

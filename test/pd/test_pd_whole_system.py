@@ -20,8 +20,8 @@ from pd_helpers import START, TEXT, assert_idle, omniproxy, post
 from omni_testing import ROOT, hf_greedy
 from omniinfer.attn import decode
 from omniinfer.attn.pattern import load
-from omniinfer.launch import cpu_env
-from omniinfer.launch_pd import pd_server, started
+from omniinfer.cpu.server_env import cpu_env
+from omniinfer.testbed.pd_servers import pd_server, started
 
 pytestmark = pytest.mark.server
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from omniinfer import platform
-from omniinfer.launch import free_port
+from omniinfer.child_process import free_port
 from omniinfer.placement.staging import HostCopy, SlotStager, StagedWeights
 from omniinfer.placement.transfers import plan_slot_copies
 

@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from omniinfer.launch import free_port
+from omniinfer.child_process import free_port
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.server import Serving, open_router
 

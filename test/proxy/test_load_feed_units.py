@@ -14,9 +14,9 @@ import zmq.asyncio
 from sglang.srt.disaggregation.kv_events import resolve_load_pub_range
 from sglang.srt.managers.scheduler_components.load_publisher import LoadStat as SGLangLoadStat
 
+from omniinfer.child_process import free_port
 from omniinfer.emulator.load_publisher import LoadPublisher
 from omniinfer.kv_event_wire import ProtocolError, parse_kv_events_config
-from omniinfer.launch import free_port
 from omniinfer.load_feed_wire import LoadStat, decode_load, encode_load, resolve_load_endpoint
 from omniinfer.proxy import load_subscriber as router_feed
 from omniinfer.proxy.load_subscriber import (

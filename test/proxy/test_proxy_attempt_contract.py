@@ -29,7 +29,7 @@ import pytest
 from aiohttp import web
 from router_inproc import ScriptedWorker
 
-from omniinfer.launch import free_port
+from omniinfer.child_process import free_port
 from omniinfer.proxy.attempt import Attempt
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.request import PD_PHASES, REGULAR_PHASES, Lifecycle, Phase

@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from fake_kube_api import FakeKubeApi, recorded_pod
 
-from omniinfer.launch import free_port
+from omniinfer.child_process import free_port
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.discovery import (
     DiscoveryRules,

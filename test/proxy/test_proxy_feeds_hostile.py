@@ -20,8 +20,8 @@ import zmq
 import zmq.asyncio
 
 from omni_testing import eventually
+from omniinfer.child_process import free_port
 from omniinfer.kv_event_wire import BlockRemoved, BlockStored, encode_batch, seq_bytes
-from omniinfer.launch import free_port
 from omniinfer.load_feed_wire import LoadStat, encode_load
 from omniinfer.proxy.cache_truth import KvLimits, Source, WorkerSubscription
 from omniinfer.proxy.load_subscriber import WorkerFeed

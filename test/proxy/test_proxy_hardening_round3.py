@@ -21,8 +21,8 @@ import pytest
 from aiohttp import web
 from router_inproc import ScriptedWorker, router_for
 
+from omniinfer.child_process import free_port
 from omniinfer.emulator.process import EmulatorProcess
-from omniinfer.launch import free_port
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.control import supervise
 from omniinfer.proxy.redact import MAX_DEPTH, redact

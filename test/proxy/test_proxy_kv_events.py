@@ -15,9 +15,9 @@ import zmq.asyncio
 from proxy_helpers import get, post, sse_events, wait_until
 
 from omni_testing import eventually
+from omniinfer.child_process import free_port
 from omniinfer.emulator.process import EmulatorProcess
 from omniinfer.kv_event_wire import BlockStored, Stored, encode_batch, seq_bytes
-from omniinfer.launch import free_port
 from omniinfer.proxy.cache_truth import Source, WorkerSubscription
 from omniinfer.proxy.prefix import PrefixIndex, block_hashes
 from omniinfer.proxy.process import RouterProcess

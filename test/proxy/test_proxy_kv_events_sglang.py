@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 from proxy_helpers import get, post, wait_until
 
-from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
+from omniinfer.child_process import free_port
+from omniinfer.cpu.server_env import cpu_env
 from omniinfer.proxy.process import RouterProcess
+from omniinfer.testbed.servers import SGLangServer, cpu_server_command
 
 pytestmark = pytest.mark.server
 BLOCK = 16

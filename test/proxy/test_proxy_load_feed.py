@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from proxy_helpers import get, post, wait_until
 
+from omniinfer.child_process import free_port
 from omniinfer.emulator.process import EmulatorProcess
-from omniinfer.launch import free_port
 from omniinfer.proxy.process import RouterProcess
 
 

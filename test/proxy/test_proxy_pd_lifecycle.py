@@ -28,8 +28,8 @@ import pytest
 from aiohttp import web
 from router_inproc import ScriptedWorker, router_for
 
+from omniinfer.child_process import free_port
 from omniinfer.emulator.process import EmulatorProcess
-from omniinfer.launch import free_port
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.request import PHASE_NAMES, REGULAR_PHASES, Lifecycle, Phase
 from omniinfer.proxy.server import Serving, open_router

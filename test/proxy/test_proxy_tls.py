@@ -17,10 +17,10 @@ import pytest
 from proxy_helpers import sse_events
 from tls_certs import CertAuthority
 
+from omniinfer.child_process import free_port
 from omniinfer.emulator.profile import load_profile
 from omniinfer.emulator.server import WorkerServer
 from omniinfer.emulator.tls import tls_context
-from omniinfer.launch import free_port
 from omniinfer.proxy.cli import main as router_main
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.server import open_router

@@ -15,7 +15,7 @@ from aiohttp import web
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from router_inproc import ScriptedWorker, router_for
 
-from omniinfer.launch import free_port
+from omniinfer.child_process import free_port
 from omniinfer.proxy.config import RouterConfig
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 from router_inproc import ScriptedWorker, router_for
 
-from omniinfer.launch import free_port
+from omniinfer.child_process import free_port
 from omniinfer.proxy.auth import admin_kind
 from omniinfer.proxy.worker_api import worker_id
 

@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from omni_testing import eventually
-from omniinfer.launch import free_port
+from omniinfer.child_process import free_port
 from omniinfer.proxy import zmtp
 from omniinfer.proxy.zmtp import GREETING_BYTES, ZmtpError, ZmtpLimits
 

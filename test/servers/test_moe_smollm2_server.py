@@ -38,7 +38,9 @@ def _prompts_and_dense_outputs() -> tuple[list[list[int]], list[list[int]]]:
 
 
 def test_moe_outputs_equal_the_dense_model_and_the_load_is_uneven(tmp_path: Path) -> None:
-    from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
+    from omniinfer.child_process import free_port
+    from omniinfer.cpu.server_env import cpu_env
+    from omniinfer.testbed.servers import SGLangServer, cpu_server_command
 
     prompts, expected = _prompts_and_dense_outputs()
     port = free_port()
@@ -72,7 +74,9 @@ def test_sglang_eplb_rebalances_the_qwen2_moe_model(tmp_path: Path) -> None:
     ``routed_experts_weights_of_layer``): before the plugin's EPLB adapter its first rebalance
     died with AttributeError; now EPLB rebalances (SGLang's own log line, more than once) and
     the greedy outputs stay the dense model's."""
-    from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
+    from omniinfer.child_process import free_port
+    from omniinfer.cpu.server_env import cpu_env
+    from omniinfer.testbed.servers import SGLangServer, cpu_server_command
 
     prompts, expected = _prompts_and_dense_outputs()
     port = free_port()

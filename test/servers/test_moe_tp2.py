@@ -18,7 +18,9 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def moe_server(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
+    from omniinfer.child_process import free_port
+    from omniinfer.cpu.server_env import cpu_env
+    from omniinfer.testbed.servers import SGLangServer, cpu_server_command
 
     port = free_port()
     command = cpu_server_command(

@@ -20,7 +20,9 @@ def test_migrations_adopted_and_outputs_equal_transformers(
 ) -> None:
     from transformers import AutoTokenizer
 
-    from omniinfer.launch import SGLangServer, cpu_env, cpu_server_command, free_port
+    from omniinfer.child_process import free_port
+    from omniinfer.cpu.server_env import cpu_env
+    from omniinfer.testbed.servers import SGLangServer, cpu_server_command
 
     port = free_port()
     command = cpu_server_command(

@@ -22,8 +22,8 @@ import shlex
 import sys
 from collections.abc import Sequence
 
+from omniinfer.cpu.server_env import CPU_FLAGS
 from omniinfer.deploy.spec import Deployment, Group
-from omniinfer.launch import CPU_FLAGS
 
 SERVER_PORT = 30000  # fixed ports of the multi-node render
 BOOTSTRAP_PORT = 8998

@@ -15,11 +15,24 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from omniinfer.child_process import ManagedProcess, free_port
+from omniinfer.cpu.server_env import cpu_env
 from omniinfer.deploy.commands import Server, plain, router_args, server_command
 from omniinfer.deploy.spec import DeployError, Deployment
-from omniinfer.launch import ManagedProcess, cpu_env, free_port
-from omniinfer.launch_pd import PDServer
 from omniinfer.proxy.process import RouterProcess
+
+
+class ServerProcess(ManagedProcess):
+    """One SGLang server of the deployment (``role``: prefill or decode), ready once it can
+    generate (``GET /health_generate`` answers 200)."""
+
+    ready_path = "/health_generate"
+    poll_s = 1.0
+
+    def __init__(self, command: list[str], env: dict[str, str], log_path: Path, port: int,
+                 role: str, ready_timeout_s: float = 600.0) -> None:
+        super().__init__(command, env, log_path, port, ready_timeout_s, kind=f"{role} server")
+        self.role = role
 
 
 class Local:
@@ -32,7 +45,7 @@ class Local:
                 raise DeployError(f"{dep.source}: {group.role}.nnodes: {group.nnodes} nodes per "
                                   "instance cannot run on one machine; use --render")
         self.dep, self.log_dir, self.host = dep, Path(log_dir), host
-        self.servers: list[tuple[Server, PDServer]] = []
+        self.servers: list[tuple[Server, ServerProcess]] = []
         for group in dep.groups():
             # the CPU engine's environment on a CPU; elsewhere this process's, unchanged
             env = (cpu_env(threads_bind=_threads(group.tp)) if dep.device == "cpu"
@@ -42,9 +55,8 @@ class Local:
                               free_port() if group.role == "prefill" else None)
                 command = plain(server_command(dep, group, spec, host))
                 log = self.log_dir / f"{spec.name}-{spec.port}.log"
-                process = PDServer(command, env, log, spec.port, group.role,
-                                   spec.bootstrap_port)
-                process.ready_timeout_s = ready_timeout_s
+                process = ServerProcess(command, env, log, spec.port, group.role,
+                                        ready_timeout_s)
                 self.servers.append((spec, process))
         prefills = [(s.url(), s.bootstrap_port or 0) for s, _ in self.servers
                     if s.role == "prefill"]

@@ -1,4 +1,4 @@
-"""An emulated worker as a child process (tests, benchmarks), like ``launch.SGLangServer``.
+"""An emulated worker as a child process (tests, benchmarks): a ``child_process.ManagedProcess``.
 
 ``EmulatorProcess("prefill", time_scale=0.02)`` picks free ports, starts ``python -m
 omniinfer.emulator`` in its own process group and is ready when ``/health`` answers. It also
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from omniinfer.launch import ManagedProcess, free_port
+from omniinfer.child_process import ManagedProcess, free_port
 
 
 class EmulatorProcess(ManagedProcess):

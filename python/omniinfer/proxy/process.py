@@ -1,4 +1,4 @@
-"""Run the router as a child process (demo, tests, benchmarks), like ``launch.SGLangServer``.
+"""Run the router as a child process (demo, tests, benchmarks): a ``child_process.ManagedProcess``.
 
 The router runs in its own process group; ``stop`` ends the group. ``wait_ready`` waits for
 ``GET /health`` to answer 200, which means every role has at least one healthy worker.
@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from omniinfer.launch import ManagedProcess, free_port
+from omniinfer.child_process import ManagedProcess, free_port
 
 
 def router_command(args: Sequence[str], port: int, host: str = "127.0.0.1",

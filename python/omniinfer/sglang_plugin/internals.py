@@ -235,9 +235,9 @@ ENVIRONMENT = (
     Internal("sglang.srt.utils.network", "HOST_IP", "cpu.server_defaults leaves the address "
              "alone when the user set SGLang's fallback variable", CPU, _E),
     Internal("sglang.srt.platforms.__init__", "SGLANG_USE_CPU_ENGINE", "selects SGLang's CPU "
-             "engine (launch.py sets it)", CPU, _E),
-    Internal("sglang.srt.utils.common", "SGLANG_CPU_OMP_THREADS_BIND", "launch.py binds the "
-             "CPU engine's OpenMP threads", CPU, _E),
+             "engine (cpu.server_env sets it)", CPU, _E),
+    Internal("sglang.srt.utils.common", "SGLANG_CPU_OMP_THREADS_BIND", "cpu.server_env binds "
+             "the CPU engine's OpenMP threads", CPU, _E),
 )
 
 # ---- instance attributes of scheduler-side objects the glue reads by name

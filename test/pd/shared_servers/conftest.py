@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from omni_testing import SESSION_PROCESSES
-from omniinfer.launch_pd import pd_server, plain_server, started
+from omniinfer.testbed.pd_servers import pd_server, plain_server, started
 
 MAX_TOTAL_TOKENS = 8192
 # Chunked prefill on one prefill server: a 1,000-token prompt goes through it in 3 chunks.

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from pd_helpers import PROMPTS, TEXT, assert_idle, gen_body, omniproxy, post
 
-from omniinfer.launch import free_port
-from omniinfer.launch_pd import held, load, pd_server, started
+from omniinfer.child_process import free_port
+from omniinfer.testbed.pd_servers import held, load, pd_server, started
 
 pytestmark = pytest.mark.server
 
@@ -175,7 +175,7 @@ def test_decode_killed_mid_stream(pd_servers: dict[str, Any], smollm2: Path, log
 def test_unreachable_bootstrap_fails_fast(pd_servers: dict[str, Any], smollm2: Path,
                                           logs: Path) -> None:
     """The router names a bootstrap port nobody listens on: a clear error, bounded, no leak."""
-    from omniinfer.launch_pd import PDServer
+    from omniinfer.testbed.pd_servers import PDServer
 
     a, d = pd_servers["prefill_a"], pd_servers["decode"]
     status, body = post(d.base_url + "/generate", gen_body(

@@ -136,7 +136,7 @@ def test_bench_through_oas_on_2p1d(pd_servers: dict[str, Any], smollm2: Path, lo
                                    tmp_path: Path) -> None:
     """``omniinfer bench`` through OAS on two real prefill servers: nothing lost, no 5xx."""
     servers = [pd_servers["prefill_a"], pd_servers["prefill_b"], pd_servers["decode"]]
-    from omniinfer.launch_pd import load
+    from omniinfer.testbed.pd_servers import load
 
     before = {s.base_url: load(s.base_url)["total_prefill_uncached_tokens"] for s in servers[:2]}
     with omniproxy(servers, "oas", smollm2, logs) as router:

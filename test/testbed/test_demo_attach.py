@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from omniinfer.demo import MAX_WORKER_LIST_BYTES, attached_servers, main
+from omniinfer.testbed.demo import MAX_WORKER_LIST_BYTES, attached_servers, main
 
 
 @contextmanager
@@ -72,7 +72,7 @@ def test_the_cli_answers_one_line_and_exit_2(capsys: pytest.CaptureFixture[str])
 
 
 def test_a_report_past_its_bound_is_refused() -> None:
-    from omniinfer import demo_report
+    from omniinfer.testbed import demo_report
 
     with _router_answering(b"{" + b" " * demo_report.MAX_REPORT_BYTES + b"}") as url, \
             pytest.raises(ValueError, match="more than"):

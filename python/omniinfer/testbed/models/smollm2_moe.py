@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 LICENSE_NOTE = """This folder is derived from SmolLM2-135M-Instruct (Hugging Face TB, Apache-2.0):
-each layer's MLP is copied into identical experts behind a router (omniinfer.models.smollm2_moe).
+each layer's MLP is copied into identical experts behind a router (omniinfer.testbed.models.smollm2_moe).
 The weights are the original model's; the licence of the original applies (Apache-2.0).
 """
 READS_THE_RESIDUAL = ("embed_tokens.weight", "lm_head.weight", "q_proj.weight", "k_proj.weight",
@@ -107,7 +107,7 @@ def moe_pattern(dense: Any, config: dict, model_id: str = MOE_ID) -> Any:
     perplexity figures hold), the MoE model's id and KV shape (widened KV heads)."""
     from omniinfer.attn.pattern import from_layers
 
-    provenance = {"derived_from": f"{dense.model_id} pattern (omniinfer.models.smollm2_moe)",
+    provenance = {"derived_from": f"{dense.model_id} pattern (omniinfer.testbed.models.smollm2_moe)",
                   "why": "the MoE model computes the dense model's function", **dense.provenance}
     return from_layers(dense.compressed_layers, config, dense.sink, dense.recent, model_id,
                        provenance)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from omniinfer.models.smollm2_moe import moe_config, router_weight, widen, widened_shape
+from omniinfer.testbed.models.smollm2_moe import moe_config, router_weight, widen, widened_shape
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DENSE = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 MOE = ROOT / ".cache" / "models" / "SmolLM2-135M-MoE"
 
@@ -107,7 +107,7 @@ def test_shipped_moe_pattern_is_the_dense_pattern_for_the_moe_shape() -> None:
     """patterns/smollm2-135m-moe.json is what ``moe_pattern`` derives from the dense pattern
     (so the two cannot drift apart), and it fits the MoE config."""
     from omniinfer.attn.pattern import check_model, load
-    from omniinfer.models.smollm2_moe import MOE_ID, moe_pattern
+    from omniinfer.testbed.models.smollm2_moe import MOE_ID, moe_pattern
 
     patterns = ROOT / "python" / "omniinfer" / "attn" / "patterns"
     config = moe_config(json.loads((DENSE / "config.json").read_text()), 4, 2)

@@ -19,14 +19,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from omniinfer.launch import (
-    ManagedProcess,
-    ServerFailed,
-    SGLangServer,
-    cpu_env,
-    cpu_server_command,
-    free_port,
-)
+from omniinfer.child_process import ManagedProcess, ServerFailed, free_port
+from omniinfer.cpu.server_env import cpu_env
+from omniinfer.testbed.servers import SGLangServer, cpu_server_command
 
 TRANSFER_BACKEND = "mooncake_tcp"
 LOADS_PATH = "/v1/loads?include=disagg,queues"

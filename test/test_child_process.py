@@ -1,5 +1,5 @@
-"""``launch.ManagedProcess``, the one child-process helper: readiness by GET or POST, exit and
-timeout reported with the log tail, stop and kill of the whole group."""
+"""``child_process.ManagedProcess``, the one child-process helper: readiness by GET or POST,
+exit and timeout reported with the log tail, stop and kill of the whole group."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from omniinfer.child_process import ManagedProcess, ServerFailed, free_port
 from omniinfer.emulator.process import EmulatorProcess
-from omniinfer.launch import ManagedProcess, ServerFailed, free_port
 
 
 def _emulator_command(port: int) -> list[str]:

@@ -1,10 +1,10 @@
-"""Child processes for the package, benchmarks and tests, and real SGLang servers among them.
+"""Child processes: the one helper for every process the package, benchmarks and tests start.
 
 ``ManagedProcess`` (start, wait until ready, stop or kill) and ``free_port`` are the one process
 helper and the one port picker; routers, emulated workers and SGLang servers subclass the
-helper. The CPU flags here are the ones the real engine needs on a machine without an
-accelerator: see docs/cpu.md. Each child runs in its own process group so that stopping it also
-stops the scheduler and detokenizer processes it spawned.
+helper. Each child runs in its own process group, so that stopping it also stops the processes
+it spawned (an SGLang server's scheduler and detokenizer), and dies with the process that
+started it.
 """
 
 from __future__ import annotations
@@ -23,15 +23,6 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-CPU_FLAGS: tuple[str, ...] = (
-    "--device", "cpu",
-    "--attention-backend", "torch_native",
-    "--cuda-graph-backend-decode", "disabled",
-    "--cuda-graph-backend-prefill", "disabled",
-    "--dtype", "float32",
-)
-
 
 PORT_RANGE = (10000, 21999)  # below the kernel's ephemeral range and SGLang's own picks
 _handed_out: set[int] = set()
@@ -65,35 +56,6 @@ def free_port() -> int:
     with socket.socket() as s:  # no free port below the ephemeral range: any free one
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def cpu_server_command(
-    model_path: str | Path,
-    port: int,
-    max_total_tokens: int = 16384,
-    extra_args: Sequence[str] = (),
-    python: str = sys.executable,
-) -> list[str]:
-    """The ``python -m sglang.launch_server`` command line for the CPU engine."""
-    return [
-        python, "-m", "sglang.launch_server",
-        "--model-path", str(model_path),
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--max-total-tokens", str(max_total_tokens),
-        *CPU_FLAGS,
-        *extra_args,
-    ]
-
-
-def cpu_env(base: dict[str, str] | None = None, threads_bind: str | None = None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
-    env["SGLANG_USE_CPU_ENGINE"] = "1"
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    if threads_bind is not None:
-        env["SGLANG_CPU_OMP_THREADS_BIND"] = threads_bind
-    return env
 
 
 def _die_with_parent() -> None:
@@ -237,11 +199,3 @@ class ManagedProcess:
 
     def __exit__(self, *_exc: object) -> None:
         self.stop()
-
-
-class SGLangServer(ManagedProcess):
-    """A running ``sglang.launch_server``: ready when it can generate."""
-
-    kind = "server"
-    ready_path = "/health_generate"
-    poll_s = 1.0

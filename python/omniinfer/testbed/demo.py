@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="goodput objective, seconds per output token (paper: 0.05)")
     args = parser.parse_args(argv)
 
+    from omniinfer.child_process import free_port
     from omniinfer.deploy.local import Local
     from omniinfer.deploy.spec import DeployError, load
-    from omniinfer.launch import free_port
 
     try:
         dep = load(args.deployment)
@@ -153,7 +153,7 @@ def _attached(router_url: str, policy: str, args: argparse.Namespace) -> int:
 def _ask_benchmark_and_report(router_url: str, prefill: str, decode: str,
                               args: argparse.Namespace) -> list[object]:
     """The answer and the table through the router, then a line per technique."""
-    from omniinfer.demo_report import attn_lines, oas_lines, placement_lines
+    from omniinfer.testbed.demo_report import attn_lines, oas_lines, placement_lines
 
     failed = _ask_and_benchmark(router_url, args)
     for line in [*attn_lines(prefill, decode), *placement_lines(decode), *oas_lines(router_url)]:
