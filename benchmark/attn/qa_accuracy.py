@@ -35,7 +35,7 @@ from typing import Any
 from tqdm import tqdm
 
 from omniinfer.attn import evaluator, text
-from omniinfer.bench.records import recorded_args
+from omniinfer.bench.records import recorded_args, write_results
 
 HERE = Path(__file__).resolve().parent
 PATTERNS = HERE.parents[1] / "python" / "omniinfer" / "attn" / "patterns"
@@ -161,8 +161,7 @@ def main() -> int:
             "questions": [{k: q[k] for k in ("text", "depth", "lead")} for q in questions],
             "rows": rows}
     results["seconds"] = time.perf_counter() - began
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    write_results(args.out, results)
     print(f"wrote {args.out}")
     return 0
 

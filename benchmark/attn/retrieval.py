@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from omniinfer.attn import baselines, evaluator, masks, passkey, text
 from omniinfer.attn.pattern import Pattern, load
+from omniinfer.bench.records import write_results
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -206,8 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"\nreal server ({s['pattern']}, {s['context']} tokens): "
               f"{100 * s['accuracy']:.0f} %, agrees with the masked evaluator on "
               f"{s['agrees_with_masked']} of {s['cases']} cases")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_results(args.out, report)
     plot(results, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png').name}")
     return report

@@ -12,7 +12,6 @@ Run: .venv/bin/python benchmark/attn_runtime/admission.py
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from burst import serve_burst
 
 from omniinfer.attn import evaluator, text
 from omniinfer.attn.pattern import load
+from omniinfer.bench.records import write_results
 
 HERE = Path(__file__).resolve().parent
 SEARCHED = HERE.parents[1] / "python" / "omniinfer" / "attn" / "patterns" / "smollm2-135m.json"
@@ -93,8 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"output tokens/s: baseline {baseline['output_tokens_per_s']:.2f}, "
           f"omni-attn {omni['output_tokens_per_s']:.2f}, "
           f"ratio {summary['throughput_ratio']:.2f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    write_results(args.out, summary, indent=2)
     return summary
 
 

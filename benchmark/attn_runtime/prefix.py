@@ -19,7 +19,6 @@ Run: .venv/bin/python benchmark/attn_runtime/prefix.py
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -30,6 +29,7 @@ from burst import serve_burst
 
 from omniinfer.attn import evaluator, runtime_window, text
 from omniinfer.attn.pattern import load
+from omniinfer.bench.records import write_results
 
 HERE = Path(__file__).resolve().parent
 SEARCHED = HERE.parents[1] / "python" / "omniinfer" / "attn" / "patterns" / "smollm2-135m.json"
@@ -152,8 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"pattern+radix / pattern without radix: "
               f"{summary['pattern_radix_over_pattern_no_radix']:.2f}x; "
               f"/ plain radix: {summary['pattern_radix_over_plain_radix']:.2f}x")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    write_results(args.out, summary, indent=2)
     plot(summary, args.out.with_suffix(".png"))
     return summary
 

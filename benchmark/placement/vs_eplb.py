@@ -39,7 +39,6 @@ at each speed, seed 0: the shape of the paper's Figure 3).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from omniinfer.bench.records import recorded_args
+from omniinfer.bench.records import recorded_args, write_results
 from omniinfer.emulator.sparse import MoeClock, MoeConfig
 from omniinfer.placement.simulate import DriftConfig
 
@@ -135,9 +134,8 @@ def main() -> int:
               f"{row['mean_pass_ms']:>8.2f} {row['step_vs_eplb']:>6.3f} ({row['step_vs_eplb_max']:.3f})"
               f" {row['step_vs_eplb_without_stalls']:>9.3f} {row['stall_share']:>7.2%}"
               f" {row['gb_per_hour']:>8.0f}")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"args": recorded_args(args, RESULTS.parents[2]),
-                                       "rows": rows, "runs": runs}, indent=1) + "\n")
+    write_results(args.output, {"args": recorded_args(args, RESULTS.parents[2]),
+                                "rows": rows, "runs": runs})
     plot(runs, seeds[0], setups, args.output.with_suffix(".png"))
     print(f"wrote {args.output} and {args.output.with_suffix('.png').name}")
     return 0

@@ -1,9 +1,9 @@
 """Emulated PD clusters and routers as child processes (each in its own process group).
 
 ``EmulatedCluster(n_prefill, n_decode, profile, time_scale)`` starts ``omniinfer
-emulate-worker`` processes (``EmulatorProcess``); ``router_command`` builds the command line of
-OmniProxy or of the upstream ``sglang_router`` for it; ``start_router`` runs one as a
-``ManagedProcess`` that is ready once a request went through it. The Rust router a benchmark
+emulate-worker`` processes (``EmulatorProcess``); ``target_router_command`` builds the command
+line of OmniProxy or of the peer for a target; ``start_router`` runs one as a ``ManagedProcess``
+that is ready once a request went through it. The Rust router a benchmark
 compares against (its peer) is ``smg`` 1.13 by default or ``sglang-router`` 0.3.2 (``PEERS``):
 ``peer_router_command`` builds either, ``peer_targets`` names its policies (``smg:POLICY``,
 ``sglang:POLICY``) and ``omni_poll_s`` gives OmniProxy smg's load-polling rate.
@@ -26,7 +26,7 @@ from omniinfer.emulator.process import EmulatorProcess
 __all__ = ["PEERS", "EmulatedCluster", "add_peer_args", "free_port", "omni_poll_s",
            "omni_router_args", "omni_router_command", "peer_decode_policy", "peer_of",
            "peer_router_command", "peer_targets", "sglang_router_command", "smg_router_command",
-           "start_router"]
+           "start_router", "target_router_command"]
 
 
 def kv_events_args(load_feed: bool = False) -> list[str]:
@@ -249,6 +249,23 @@ def add_peer_args(parser: argparse.ArgumentParser) -> None:
 def omni_router_command(args: list[str], port: int) -> list[str]:
     return [sys.executable, "-m", "omniinfer.router", "--host", "127.0.0.1", "--port",
             str(port), *args]
+
+
+def target_router_command(router: str, policy: str, cluster: EmulatedCluster, port: int, *,
+                          peer: str, poll_secs: int, access_log: Path | None = None,
+                          cache_truth: str = "router", ttft_slo_secs: float | None = None,
+                          load_feed: str = "auto") -> list[str]:
+    """The command line of a target's router on ``port``, ``policy`` for both PD roles.
+
+    ``router`` "omni": OmniProxy (``omni_router_args``), polling loads every
+    ``omni_poll_s(peer, poll_secs)`` seconds; any other: the peer its prefix names (``peer``
+    when it names none), polling every ``poll_secs`` seconds. ``peer`` and ``poll_secs`` are
+    ``add_peer_args``' ``--peer`` and ``--poll-secs``."""
+    if router == "omni":
+        return omni_router_command(omni_router_args(
+            cluster, policy, policy, access_log, cache_truth, ttft_slo_secs,
+            poll_s=omni_poll_s(peer, poll_secs), load_feed=load_feed), port)
+    return peer_router_command(peer_of(router) or peer, cluster, policy, port, poll_secs)
 
 
 def start_router(command: list[str], port: int, log: Path) -> ManagedProcess:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import random
 import statistics
@@ -42,7 +41,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from omniinfer.bench.records import recorded_args
+from omniinfer.bench.records import recorded_args, write_results
 from omniinfer.proxy.config import RouterConfig
 from omniinfer.proxy.policy_api import PolicyContext, RouteRequest, create_policy
 from omniinfer.proxy.prefix import PrefixIndex
@@ -219,9 +218,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['policy']:<14}{r['imbalance']:>10.3f}{r['busiest_over_mean']:>14.3f}"
               f"{r['step_ms_mean']:>9.2f}{r['step_ms_p99']:>10.2f}{r['tokens_per_s']:>10.0f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": recorded_args(args, HERE.parents[1]),
-                                    "rows": rows, "runs": runs}, indent=1) + "\n")
+    write_results(args.out, {"args": recorded_args(args, HERE.parents[1]),
+                             "rows": rows, "runs": runs})
     plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png').name}")
 

@@ -55,13 +55,9 @@ from cluster import (  # noqa: E402
     EmulatedCluster,
     add_peer_args,
     free_port,
-    omni_poll_s,
-    omni_router_args,
-    omni_router_command,
-    peer_of,
-    peer_router_command,
     peer_targets,
     start_router,
+    target_router_command,
 )
 from report import write_report  # noqa: E402
 
@@ -172,14 +168,11 @@ def run_target(target: Target, cluster: EmulatedCluster, workloads: list[dict[st
                args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
     port = free_port()
     access = log_dir / f"{target.name.replace(':', '_')}.access.jsonl"
-    if target.router == "omni":
-        slo = None if args.no_router_slo else args.slo_ttft * args.time_scale  # wall seconds
-        command = omni_router_command(omni_router_args(
-            cluster, target.policy, target.policy, access, target.cache_truth, slo,
-            poll_s=omni_poll_s(args.peer, args.poll_secs), load_feed=target.load_feed), port)
-    else:  # the peer named by the target (smg or sglang-router)
-        command = peer_router_command(peer_of(target.router) or args.peer, cluster,
-                                      target.policy, port, args.poll_secs)
+    slo = None if args.no_router_slo else args.slo_ttft * args.time_scale  # wall seconds
+    command = target_router_command(target.router, target.policy, cluster, port, peer=args.peer,
+                                    poll_secs=args.poll_secs, access_log=access,
+                                    cache_truth=target.cache_truth, ttft_slo_secs=slo,
+                                    load_feed=target.load_feed)
     rows = []
     for wl in workloads:
         cluster.flush()

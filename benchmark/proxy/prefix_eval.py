@@ -53,13 +53,10 @@ from cluster import (  # noqa: E402
     EmulatedCluster,
     add_peer_args,
     free_port,
-    omni_poll_s,
-    omni_router_args,
-    omni_router_command,
     peer_of,
-    peer_router_command,
     peer_targets,
     start_router,
+    target_router_command,
 )
 from oas_eval import router_state, to_model_time  # noqa: E402
 from prefix_report import write_report  # noqa: E402
@@ -159,13 +156,10 @@ def measure(results: list[RequestResult], args: argparse.Namespace) -> dict[str,
 
 def router_command(target: Target, cluster: EmulatedCluster, port: int,
                    args: argparse.Namespace) -> list[str]:
-    if target.router == "omni":
-        slo = args.slo_ttft * args.time_scale  # OAS's objective, in wall seconds
-        return omni_router_command(omni_router_args(
-            cluster, target.policy, target.policy, None, target.truth, slo,
-            poll_s=omni_poll_s(args.peer, args.poll_secs)), port)
-    return peer_router_command(peer_of(target.router) or args.peer, cluster, target.policy,
-                               port, args.poll_secs)
+    """The target's router beside ``args.peer``; OAS's objective is --slo-ttft in wall seconds."""
+    return target_router_command(target.router, target.policy, cluster, port, peer=args.peer,
+                                 poll_secs=args.poll_secs, cache_truth=target.truth,
+                                 ttft_slo_secs=args.slo_ttft * args.time_scale)
 
 
 def run_one(target: Target, cluster: EmulatedCluster, requests: list[BenchRequest],

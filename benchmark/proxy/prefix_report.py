@@ -12,17 +12,16 @@ same repeat, back to back). The peer is the Rust router whose targets ran: ``smg
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
 from pathlib import Path
 from typing import Any
 
+from report import PEER_NAMES, peer_prefix, saved_results  # the OAS report
+
 MISS_SHARE = 0.9  # a router "meets the SLO" at a rate while >= 90 % of requests are within it
 OURS = "omni:oas@kv-events"
-PEER_PREFIXES = ("smg", "sglang")  # target prefixes of smg 1.13 and of sglang-router 0.3.2
-PEER_NAMES = {"smg": "smg", "sglang": "sglang-router"}
 METRICS = ("goodput_qpm", "slo_share", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s",
            "cached_share", "p50_tpot_ms", "qpm")
 START, END = "<!-- prefix-eval:start -->", "<!-- prefix-eval:end -->"
@@ -30,12 +29,6 @@ START, END = "<!-- prefix-eval:start -->", "<!-- prefix-eval:end -->"
 
 def _ok(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if "failed" not in r]
-
-
-def peer_prefix(rows: list[dict[str, Any]]) -> str:
-    """The peer the rows compare against: ``smg`` when any smg target ran, else ``sglang``."""
-    ran = {str(r.get("target", "")).split(":", 1)[0] for r in rows}
-    return next((p for p in PEER_PREFIXES if p in ran), PEER_PREFIXES[-1])
 
 
 def collapse(rows: list[dict[str, Any]]) -> dict[tuple[str, str, float, str], dict[str, Any]]:
@@ -278,13 +271,7 @@ def replace_block(docs: Path, body: str) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description="Rebuild the prefix evaluation's tables and plots")
-    p.add_argument("results", type=Path)
-    p.add_argument("--docs", type=Path, default=None)
-    p.add_argument("--peer", choices=PEER_PREFIXES, default=None,
-                   help="the peer's target prefix (default: smg if it ran, else sglang)")
-    args = p.parse_args()
-    data = json.loads(args.results.read_text())
+    args, data = saved_results("Rebuild the prefix evaluation's tables and plots")
     print(write_report(data["runs"], args.results.parent, args.docs, args.peer))
     return 0
 

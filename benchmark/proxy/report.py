@@ -429,14 +429,20 @@ def replace_section(docs: Path, body: str) -> None:
     docs.write_text(text)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description="Rebuild the OAS tables and plots")
+def saved_results(description: str) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """The command line of a report rebuilt from a saved results.json (the file, ``--docs``,
+    ``--peer``: a prefix of ``PEER_PREFIXES`` or None), and that file's content."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("results", type=Path)
     p.add_argument("--docs", type=Path, default=None)
     p.add_argument("--peer", choices=PEER_PREFIXES, default=None,
                    help="the peer's target prefix (default: smg if it ran, else sglang)")
     args = p.parse_args()
-    data = json.loads(args.results.read_text())
+    return args, json.loads(args.results.read_text())
+
+
+def main() -> int:
+    args, data = saved_results("Rebuild the OAS tables and plots")
     print(write_report(data["runs"], data["meta"], args.results.parent, args.docs, args.peer))
     return 0
 

@@ -183,12 +183,20 @@ def seq8(seq: int) -> bytes:
     return seq.to_bytes(8, "big", signed=True)
 
 
-def kv_publisher(ctx: zmq.Context[Any], port: int, state: State) -> None:
-    """The KV-event PUB socket: calm batches, or the armed KV attacks interleaved."""
-    sock = ctx.socket(zmq.PUB)
-    sock.setsockopt(zmq.SNDHWM, 100_000)
+def bound_socket(ctx: zmq.Context[Any], kind: int, port: int, option: int,
+                 value: int) -> zmq.Socket[Any]:
+    """A ``kind`` socket with ``option`` set to ``value`` and no linger, bound to ``port`` on
+    127.0.0.1."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(option, value)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(f"tcp://127.0.0.1:{port}")
+    return sock
+
+
+def kv_publisher(ctx: zmq.Context[Any], port: int, state: State) -> None:
+    """The KV-event PUB socket: calm batches, or the armed KV attacks interleaved."""
+    sock = bound_socket(ctx, zmq.PUB, port, zmq.SNDHWM, 100_000)
     seq, next_hash, parent = 0, 1 << 40, None
     tokens = [100 + i for i in range(BLOCK_SIZE)]
     flood_tokens = tokens * FLOOD_EVENTS
@@ -251,10 +259,7 @@ def kv_publisher(ctx: zmq.Context[Any], port: int, state: State) -> None:
 
 def replay_server(ctx: zmq.Context[Any], port: int, state: State) -> None:
     """The replay ROUTER socket: ends each answer (calm) or streams it forever (armed)."""
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(f"tcp://127.0.0.1:{port}")
+    sock = bound_socket(ctx, zmq.ROUTER, port, zmq.ROUTER_MANDATORY, 1)
     active: dict[bytes, int] = {}  # peer -> next sequence number it gets
     tokens = [100 + i for i in range(BLOCK_SIZE)]
     while not state.stop.is_set():
@@ -293,10 +298,7 @@ def replay_server(ctx: zmq.Context[Any], port: int, state: State) -> None:
 
 def load_publisher(ctx: zmq.Context[Any], port: int, state: State) -> None:
     """The load-feed PUB socket: an idle heartbeat (calm), or the armed feed attacks."""
-    sock = ctx.socket(zmq.PUB)
-    sock.setsockopt(zmq.SNDHWM, 100_000)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(f"tcp://127.0.0.1:{port}")
+    sock = bound_socket(ctx, zmq.PUB, port, zmq.SNDHWM, 100_000)
     seq, n, due = 0, 0, 0.0
     idle = [0, 0, 0, 16384, 0, 0, 0, 256, 0, 0]
     u64 = 2 ** 64 - 1

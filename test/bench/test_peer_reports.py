@@ -4,12 +4,14 @@ best policy (any of its policies that ran) are what the criteria compare against
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from report_rows import prefix_row
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "proxy"))
 
@@ -82,12 +84,7 @@ def test_oas_report_peer_can_be_chosen_and_old_files_read_as_before(tmp_path: Pa
     assert written["paper"]["best_sglang"] == "smg:least_load"
 
 
-def _prefix(target: str, rate: float, repeat: int, goodput: float, share: float, p90: float
-            ) -> dict[str, Any]:
-    return {"cluster": "4P1D", "workload": "prefix-groups", "rate": rate, "target": target,
-            "repeat": repeat, "goodput_qpm": goodput, "slo_share": share, "errors": 0,
-            "p50_ttft_s": p90 / 2, "p90_ttft_s": p90, "p99_ttft_s": p90 * 2, "qpm": goodput,
-            "cached_share": 0.5, "p50_tpot_ms": 20.0}
+_prefix = functools.partial(prefix_row, cluster="4P1D")
 
 
 # smg's best policy (prefix_hash) keeps >= 90 % up to rate 4; sglang-router's up to 6

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from report_rows import prefix_row as _row  # on cluster 8R
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "proxy"))
 
@@ -15,15 +15,6 @@ import prefix_eval  # noqa: E402
 import prefix_report  # noqa: E402
 
 from omniinfer.bench.client import RequestResult  # noqa: E402
-
-
-def _row(target: str, rate: float, repeat: int, goodput: float, share: float, p90: float
-         ) -> dict[str, Any]:
-    return {"cluster": "8R", "workload": "prefix-groups", "rate": rate, "target": target,
-            "repeat": repeat, "goodput_qpm": goodput, "slo_share": share, "errors": 0,
-            "p50_ttft_s": p90 / 2, "p90_ttft_s": p90, "p99_ttft_s": p90 * 2, "qpm": goodput,
-            "cached_share": 0.5, "p50_tpot_ms": 20.0}
-
 
 # sglang's best policy keeps >= 90 % up to rate 4 (the knee); 6 is 1.5x the knee
 RUNS = [

@@ -111,6 +111,19 @@ def test_omniproxy_polls_at_smgs_rate_and_as_before_beside_sglang_router() -> No
     assert cluster.omni_poll_s("sglang-router", 7) == default
 
 
+def test_a_targets_router_command_is_omniproxy_or_the_peer_its_prefix_names() -> None:
+    cmd = cluster.target_router_command("omni", "oas", _pd(), 4321, peer="smg", poll_secs=2,
+                                        cache_truth="kv-events", ttft_slo_secs=1.5,
+                                        load_feed="off")
+    assert cmd == cluster.omni_router_command(cluster.omni_router_args(
+        _pd(), "oas", "oas", None, "kv-events", 1.5, poll_s=2.0, load_feed="off"), 4321)
+    for router, peer, module in (("smg", "sglang-router", "smg.launch_router"),
+                                 ("sglang", "smg", "sglang_router.launch_router")):
+        cmd = cluster.target_router_command(router, "round_robin", _pd(), 4321, peer=peer,
+                                            poll_secs=3)
+        assert cmd[cmd.index("-m") + 1] == module  # the prefix wins over --peer
+
+
 def test_omniproxy_reads_the_load_feed_unless_told_to_poll() -> None:
     assert _flag(cluster.omni_router_args(_pd(), "oas", "oas"), "--load-feed") == "auto"
     assert _flag(cluster.omni_router_args(_pd(), "oas", "oas", load_feed="off"),

@@ -6,16 +6,13 @@ import asyncio
 import time
 
 import pytest
+from emu_helpers import ids, small_profile
 
 from omniinfer.emulator.engine import EmulatedEngine, EmuRequest
 from omniinfer.emulator.interfaces import PrefillItem
 from omniinfer.emulator.profile import (
-    Capacity,
-    CostCoefficients,
-    ModelInfo,
     Profile,
     ProfileError,
-    Transfer,
     load_profile,
     profile_from_dict,
     shipped_profiles,
@@ -25,19 +22,8 @@ from omniinfer.emulator.tokenizer import EmulatedTokenizer
 
 
 def make_profile(**capacity: object) -> Profile:
-    return Profile(
-        name="test",
-        description="",
-        model=ModelInfo("m", "m", context_length=100_000),
-        capacity=Capacity(**{"max_total_tokens": 100_000, "chunked_prefill_size": 4096, **capacity}),
-        cost=CostCoefficients(prefill_base_s=0.01, prefill_per_token_s=0.001, decode_base_s=0.02,
-                              decode_per_request_s=0.001, decode_per_kv_token_s=1e-6),
-        transfer=Transfer(kv_bytes_per_token=1e6, bandwidth_gb_s=1.0, latency_s=0.01),
-    )
-
-
-def ids(n: int, start: int = 1000) -> list[int]:
-    return list(range(start, start + n))
+    return small_profile("test", {"chunked_prefill_size": 4096, **capacity},
+                         transfer={"kv_bytes_per_token": 1e6, "bandwidth_gb_s": 1.0, "latency_s": 0.01})
 
 
 async def run_all(engine: EmulatedEngine, requests: list[EmuRequest]) -> None:

@@ -261,3 +261,13 @@ def test_prefill_busy_time_is_reported_in_wall_time(emulator: EmulatorProcess) -
     assert status == 200
     busy = (_prefill_busy_us(emulator) - before) / 1e6
     assert 0 < busy <= elapsed
+
+
+def test_every_route_alias_answers(emulator: EmulatorProcess) -> None:
+    """SGLang's second names and methods of a route reach the same handler."""
+    for path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info"):
+        assert request(emulator.url + path)[0] == 200, path
+    assert request(emulator.url + "/get_model_info") == request(emulator.url + "/model_info")
+    assert request(emulator.url + "/flush_cache", "GET")[0] == 200
+    status, text = request(f"{emulator.url}/generate", "PUT", GEN)
+    assert status == 200 and json.loads(text)["meta_info"]["completion_tokens"] == 4

@@ -12,19 +12,11 @@ from importlib import resources
 import numpy as np
 import pytest
 import yaml
+from emu_helpers import small_profile
 
 from omniinfer.emulator.engine import EmulatedEngine, EmuRequest
 from omniinfer.emulator.interfaces import PrefillItem
-from omniinfer.emulator.profile import (
-    Capacity,
-    CostCoefficients,
-    ModelInfo,
-    Profile,
-    ProfileError,
-    Transfer,
-    load_profile,
-    profile_from_dict,
-)
+from omniinfer.emulator.profile import Profile, ProfileError, load_profile, profile_from_dict
 from omniinfer.emulator.sparse import (
     CHUNK_SEED_STRIDE,
     MOE_MODELS,
@@ -199,12 +191,8 @@ def test_bad_settings_are_refused() -> None:
 
 
 def moe_profile(chunk: int = 4096, **moe: object) -> Profile:
-    return Profile(
-        name="moe", description="", model=ModelInfo("m", "m", context_length=100_000),
-        capacity=Capacity(max_total_tokens=100_000, chunked_prefill_size=chunk),
-        cost=CostCoefficients(prefill_base_s=0.01, prefill_per_token_s=0.001, decode_base_s=0.02,
-                              decode_per_request_s=0.001, decode_per_kv_token_s=1e-6),
-        transfer=Transfer(),
+    return small_profile(
+        "moe", {"chunked_prefill_size": chunk},
         moe=MoeConfig(**{"share": 0.5, "window_steps": 1, **LAYOUT, **moe}),  # type: ignore[arg-type]
     )
 

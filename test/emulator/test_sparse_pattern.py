@@ -13,40 +13,25 @@ import math
 from pathlib import Path
 
 import pytest
-from emu_helpers import request, start_emulator
+from emu_helpers import ids, request, small_profile, start_emulator
 
 from omniinfer.emulator import cli, status
 from omniinfer.emulator.engine import EmulatedEngine, EmuRequest
 from omniinfer.emulator.interfaces import PrefillItem
-from omniinfer.emulator.profile import (
-    Capacity,
-    CostCoefficients,
-    ModelInfo,
-    Profile,
-    ProfileError,
-    Transfer,
-    load_profile,
-    profile_from_dict,
-)
+from omniinfer.emulator.profile import Profile, ProfileError, load_profile, profile_from_dict
 from omniinfer.emulator.sparse import AttnPattern, MoeConfig
 
 HALF = AttnPattern(compressed_fraction=0.5, sink=128, recent=384)  # window 512
 
 
 def make_profile(pattern: AttnPattern | None = None, pool: int = 100_000, ratio: float = 0.7) -> Profile:
-    return Profile(
-        name="pattern", description="", model=ModelInfo("m", "m", context_length=100_000),
-        capacity=Capacity(max_total_tokens=pool, chunked_prefill_size=100_000, max_prefill_tokens=100_000,
-                          new_token_ratio=ratio),
-        cost=CostCoefficients(prefill_base_s=0.01, prefill_per_token_s=0.001, prefill_attention_s=1e-7,
-                              decode_base_s=0.02, decode_per_request_s=0.001, decode_per_kv_token_s=1e-6),
-        transfer=Transfer(kv_bytes_per_token=1000.0, bandwidth_gb_s=1.0, latency_s=0.01),
+    return small_profile(
+        "pattern", {"max_total_tokens": pool, "chunked_prefill_size": 100_000,
+                    "max_prefill_tokens": 100_000, "new_token_ratio": ratio},
+        cost={"prefill_attention_s": 1e-7},
+        transfer={"kv_bytes_per_token": 1000.0, "bandwidth_gb_s": 1.0, "latency_s": 0.01},
         attn_pattern=pattern or AttnPattern(),
     )
-
-
-def ids(n: int, start: int) -> list[int]:
-    return list(range(start, start + n))
 
 
 def test_no_pattern_is_exactly_the_dense_figures() -> None:

@@ -4,6 +4,7 @@ never complete (the bounded wait then times out, as gloo's ``Work.wait(timeout)`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import Any
@@ -91,31 +92,49 @@ def _drive(agree: SwitchAgreement[str], switch: Any, passes: int) -> list[Any]:
     return seen
 
 
-def test_an_agreed_switch_is_confirmed_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeDist(others=[[1, 7, -7], [0, 0]])  # the other rank: ready for 7, switched fine
+def _agreement(monkeypatch: pytest.MonkeyPatch, others: list[Any],
+               timeout_s: float) -> tuple[FakeDist, SwitchAgreement[str]]:
+    """This rank's agreement over a ``FakeDist`` whose other rank contributes ``others``."""
+    fake = FakeDist(others=others)
     monkeypatch.setattr(agreement, "dist", fake)
-    agree: SwitchAgreement[str] = SwitchAgreement(group=None, timeout_s=1.0)
+    return fake, SwitchAgreement(group=None, timeout_s=timeout_s)
+
+
+@dataclasses.dataclass
+class _Round:
+    fake: FakeDist
+    agree: SwitchAgreement[str]
+    proposal: dict[str, Any]  # joined: its "result" or "error"
+    seen: list[Any]  # what each pass returned or raised
+    switched: list[str]  # the payloads the recording switch was given
+
+
+def _round(monkeypatch: pytest.MonkeyPatch, others: list[Any], version: int, target: int,
+           passes: int, timeout_s: float = 1.0, switch: Any = None) -> _Round:
+    """``propose(version, target)`` in a thread, once posted ``passes`` forward passes (their
+    switch: ``switch``, else one recording its payloads), then the proposer joined."""
+    fake, agree = _agreement(monkeypatch, others, timeout_s)
     switched: list[str] = []
-    proposal = _proposing(agree, 7, 2)
+    proposal = _proposing(agree, version, target)
     _until_posted(agree)
-    seen = _drive(agree, switched.append, 3)
+    seen = _drive(agree, switch or switched.append, passes)
     proposal["thread"].join(JOIN_S)
-    assert proposal == {"thread": proposal["thread"], "result": True}
-    assert seen[0] is None and seen[1].agreed and seen[2] is None and switched == ["layout"]
-    assert [call[0] for call in fake.calls] == [[1, 7, -7], [0, 0]]  # vote, then confirmation
+    return _Round(fake, agree, proposal, seen, switched)
+
+
+def test_an_agreed_switch_is_confirmed_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the other rank: ready for 7, switched fine
+    run = _round(monkeypatch, [[1, 7, -7], [0, 0]], 7, 2, passes=3)
+    assert run.proposal == {"thread": run.proposal["thread"], "result": True}
+    seen = run.seen
+    assert seen[0] is None and seen[1].agreed and seen[2] is None and run.switched == ["layout"]
+    assert [call[0] for call in run.fake.calls] == [[1, 7, -7], [0, 0]]  # vote, then confirmation
 
 
 def test_a_rank_not_ready_means_no_switch_and_no_confirmation(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeDist(others=[[0, 7, -7]])
-    monkeypatch.setattr(agreement, "dist", fake)
-    agree: SwitchAgreement[str] = SwitchAgreement(group=None, timeout_s=1.0)
-    switched: list[str] = []
-    proposal = _proposing(agree, 7, 1)
-    _until_posted(agree)
-    seen = _drive(agree, switched.append, 1)
-    proposal["thread"].join(JOIN_S)
-    assert proposal["result"] is False and not seen[0].agreed and switched == []
-    assert len(fake.calls) == 1
+    run = _round(monkeypatch, [[0, 7, -7]], 7, 1, passes=1)
+    assert run.proposal["result"] is False and not run.seen[0].agreed and run.switched == []
+    assert len(run.fake.calls) == 1
 
 
 @pytest.mark.parametrize("other", ["hang", "raise"])
@@ -124,63 +143,41 @@ def test_a_vote_that_does_not_complete_is_fatal_and_releases_the_proposer(
     """The vote is bounded; when it times out (or raises) the forward loop gets SwitchBroken,
     the proposing thread is released with it instead of waiting forever, and no collective is
     issued again on this rank."""
-    fake = FakeDist(others=[other])
-    monkeypatch.setattr(agreement, "dist", fake)
-    agree: SwitchAgreement[str] = SwitchAgreement(group=None, timeout_s=0.2)
-    switched: list[str] = []
-    proposal = _proposing(agree, 3, 1)
-    _until_posted(agree)
     with caplog.at_level(logging.CRITICAL, logger="omniinfer"):
-        seen = _drive(agree, switched.append, 3)
-    proposal["thread"].join(JOIN_S)
-    assert not proposal["thread"].is_alive(), "the proposing thread waits forever"
-    assert isinstance(proposal.get("error"), SwitchBroken)
-    assert all(isinstance(item, SwitchBroken) for item in seen) and switched == []
-    assert "the switch vote at pass 1 did not complete within 0.2 s" in str(seen[0])
+        run = _round(monkeypatch, [other], 3, 1, passes=3, timeout_s=0.2)
+    assert not run.proposal["thread"].is_alive(), "the proposing thread waits forever"
+    assert isinstance(run.proposal.get("error"), SwitchBroken)
+    assert all(isinstance(item, SwitchBroken) for item in run.seen) and run.switched == []
+    assert "the switch vote at pass 1 did not complete within 0.2 s" in str(run.seen[0])
     assert any("aborting this scheduler" in r.getMessage() for r in caplog.records)
-    assert len(fake.calls) == 1
+    assert len(run.fake.calls) == 1
     with pytest.raises(SwitchBroken):  # the proposer may not start another collective either
-        agree.propose(4, 9, "layout")
-    assert len(fake.calls) == 1
+        run.agree.propose(4, 9, "layout")
+    assert len(run.fake.calls) == 1
 
 
 def test_a_switch_that_fails_here_is_fatal_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """After an agreed vote the switch raises on this rank: it still joins the confirmation
     (the same collective sequence as every other rank), which tells every rank; all raise."""
-    fake = FakeDist(others=[[1, 5, -5], [0, 0]])
-    monkeypatch.setattr(agreement, "dist", fake)
-    agree: SwitchAgreement[str] = SwitchAgreement(group=None, timeout_s=1.0)
-
     def switch(payload: str) -> None:
         raise ValueError("copy failed")
 
-    proposal = _proposing(agree, 5, 1)
-    _until_posted(agree)
-    seen = _drive(agree, switch, 2)
-    proposal["thread"].join(JOIN_S)
-    assert isinstance(proposal.get("error"), SwitchBroken)
+    run = _round(monkeypatch, [[1, 5, -5], [0, 0]], 5, 1, passes=2, switch=switch)
+    seen = run.seen
+    assert isinstance(run.proposal.get("error"), SwitchBroken)
     assert "failed on rank(s) [0]" in str(seen[0]) and isinstance(seen[0].__cause__, ValueError)
     assert isinstance(seen[1], SwitchBroken)
-    assert [call[0] for call in fake.calls] == [[1, 5, -5], [1, 0]]
+    assert [call[0] for call in run.fake.calls] == [[1, 5, -5], [1, 0]]
 
 
 def test_a_switch_that_failed_on_another_rank_is_fatal_here(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeDist(others=[[1, 5, -5], [0, 1]])  # the other rank's switch failed
-    monkeypatch.setattr(agreement, "dist", fake)
-    agree: SwitchAgreement[str] = SwitchAgreement(group=None, timeout_s=1.0)
-    switched: list[str] = []
-    proposal = _proposing(agree, 5, 1)
-    _until_posted(agree)
-    seen = _drive(agree, switched.append, 1)
-    proposal["thread"].join(JOIN_S)
-    assert switched == ["layout"] and "failed on rank(s) [1]" in str(seen[0])
-    assert isinstance(proposal.get("error"), SwitchBroken)
+    run = _round(monkeypatch, [[1, 5, -5], [0, 1]], 5, 1, passes=1)  # the other's switch failed
+    assert run.switched == ["layout"] and "failed on rank(s) [1]" in str(run.seen[0])
+    assert isinstance(run.proposal.get("error"), SwitchBroken)
 
 
 def test_a_late_vote_from_the_proposer_is_bounded_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeDist(others=["hang"])
-    monkeypatch.setattr(agreement, "dist", fake)
-    agree: SwitchAgreement[str] = SwitchAgreement(group=None, timeout_s=0.2)
+    fake, agree = _agreement(monkeypatch, ["hang"], timeout_s=0.2)
     _drive(agree, lambda payload: None, 3)  # already past pass 2: the proposer votes "not ready"
     with pytest.raises(SwitchBroken, match="did not complete"):
         agree.propose(1, 2, "layout")
@@ -192,10 +189,8 @@ def test_a_late_vote_from_the_proposer_is_bounded_too(monkeypatch: pytest.Monkey
 def test_a_long_wait_for_the_target_pass_is_reported(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """No forward pass runs (an idle server): the proposer keeps waiting, and says so."""
-    fake = FakeDist(others=[[1, 2, -2], [0, 0]])
-    monkeypatch.setattr(agreement, "dist", fake)
     monkeypatch.setattr(agreement, "WAIT_SLICE_S", 0.02)
-    agree: SwitchAgreement[str] = SwitchAgreement(group=None, timeout_s=0.05)
+    _, agree = _agreement(monkeypatch, [[1, 2, -2], [0, 0]], timeout_s=0.05)
     with caplog.at_level(logging.WARNING, logger="omniinfer"):
         proposal = _proposing(agree, 2, 1)
         _until_posted(agree)

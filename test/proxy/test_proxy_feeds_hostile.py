@@ -6,12 +6,13 @@ keeps applying honest messages afterwards."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import subprocess
 import sys
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ def _store(page_hash: int, parent: int | None, tokens: list[int]) -> bytes:
                                           lora_id=None)])
 
 
-def _subscription(ctx: zmq.asyncio.Context, endpoint: str, replay: str | None = None,
+def _subscription(endpoint: str, replay: str | None = None,
                   limits: KvLimits | None = None, failures: list[str] | None = None
                   ) -> tuple[WorkerSubscription, WorkerCacheTruth, Source, PrefixIndex]:
     worker = Worker("http://127.0.0.1:1", Role.REGULAR)
@@ -68,6 +69,37 @@ def _subscription(ctx: zmq.asyncio.Context, endpoint: str, replay: str | None = 
     sub = WorkerSubscription(worker, truth, [source], 16, limits or KvLimits(),
                              on_failure=hook)
     return sub, truth, source, index
+
+
+@contextlib.contextmanager
+def _publisher(hwm: int | None = None) -> Iterator[tuple[zmq.asyncio.Context, zmq.asyncio.Socket,
+                                                         str]]:
+    """A context and a PUB socket bound to a free loopback port (``hwm``: its send high-water
+    mark, else ZMQ's), and that endpoint; the socket and the context closed at exit, neither
+    lingering."""
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    if hwm is not None:
+        pub.setsockopt(zmq.SNDHWM, hwm)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub.bind(endpoint)
+    try:
+        yield ctx, pub, endpoint
+    finally:
+        pub.close(linger=0)
+        ctx.destroy(linger=0)
+
+
+async def _flooded(peer: subprocess.Popen[bytes], reader: WorkerFeed | WorkerSubscription
+                   ) -> float:
+    """The longest the event loop was held (``_max_lag_while``) while ``peer`` floods
+    ``reader``; the reader is closed and the peer gone when it returns."""
+    try:
+        return await _max_lag_while(lambda: peer.poll() is None)
+    finally:
+        await reader.close()
+        peer.kill()
+        peer.wait()
 
 
 async def _joined(pub: zmq.asyncio.Socket, source: Source) -> None:
@@ -81,17 +113,10 @@ def test_load_feed_flood_keeps_the_event_loop_responsive() -> None:
     async def scenario() -> None:
         port = free_port()
         peer = _peer("flood", port, 2.0, b"load".hex(), encode_load(LoadStat(1, 2, 3, 4)).hex())
-        ctx = zmq.asyncio.Context()
         worker = Worker("http://127.0.0.1:1", Role.DECODE)
         feed = WorkerFeed(worker, [f"tcp://127.0.0.1:{port}"], "load", lambda w: None)
-        try:
-            lag = await _max_lag_while(lambda: peer.poll() is None)
-            assert feed.ranks[0].readings > 0 and worker.loads.running_reqs == 1
-        finally:
-            await feed.close()
-            ctx.destroy(linger=0)
-            peer.kill()
-            peer.wait()
+        lag = await _flooded(peer, feed)
+        assert feed.ranks[0].readings > 0 and worker.loads.running_reqs == 1
         assert lag < LAG_LIMIT_S, f"the event loop was held {lag:.3f} CPU s"
 
     asyncio.run(scenario())
@@ -102,16 +127,9 @@ def test_kv_event_flood_keeps_the_event_loop_responsive() -> None:
         port = free_port()
         payload = encode_batch(0.0, [BlockRemoved(block_hashes=[12345])])
         peer = _peer("flood", port, 2.0, "", payload.hex())
-        ctx = zmq.asyncio.Context()
-        sub, truth, source, _ = _subscription(ctx, f"tcp://127.0.0.1:{port}")
-        try:
-            lag = await _max_lag_while(lambda: peer.poll() is None)
-            assert truth.batches > 0
-        finally:
-            await sub.close()
-            ctx.destroy(linger=0)
-            peer.kill()
-            peer.wait()
+        sub, truth, _, _ = _subscription(f"tcp://127.0.0.1:{port}")
+        lag = await _flooded(peer, sub)
+        assert truth.batches > 0
         assert lag < LAG_LIMIT_S, f"the event loop was held {lag:.3f} CPU s"
 
     asyncio.run(scenario())
@@ -125,26 +143,20 @@ def test_malformed_framing_neither_resets_nor_floods_the_log(
     bad = 3000
 
     async def scenario() -> None:
-        ctx = zmq.asyncio.Context()
-        pub = ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, 0)  # nothing dropped on the way: every bad one arrives
-        port = free_port()
-        pub.bind(f"tcp://127.0.0.1:{port}")
-        sub, truth, source, index = _subscription(ctx, f"tcp://127.0.0.1:{port}")
-        try:
-            await _joined(pub, source)
-            for i in range(bad):
-                await (pub.send(b"one frame") if i % 2 else
-                       pub.send_multipart((b"", b"\x00\x01", b"\x90")))
-            await pub.send_multipart((b"", seq_bytes(1), _store(2, 1, list(range(16, 32)))))
-            assert await eventually(lambda: source.last_seq == 1), source.describe()
-            assert source.malformed == bad and truth.resets == 0
-            assert source.gaps == 0 and source.replays == 0
-            assert index.size(sub.worker.url) == 2  # both honest stores are held
-        finally:
-            await sub.close()
-            pub.close(linger=0)
-            ctx.destroy(linger=0)
+        with _publisher(hwm=0) as (_, pub, endpoint):  # nothing dropped: every bad one arrives
+            sub, truth, source, index = _subscription(endpoint)
+            try:
+                await _joined(pub, source)
+                for i in range(bad):
+                    await (pub.send(b"one frame") if i % 2 else
+                           pub.send_multipart((b"", b"\x00\x01", b"\x90")))
+                await pub.send_multipart((b"", seq_bytes(1), _store(2, 1, list(range(16, 32)))))
+                assert await eventually(lambda: source.last_seq == 1), source.describe()
+                assert source.malformed == bad and truth.resets == 0
+                assert source.gaps == 0 and source.replays == 0
+                assert index.size(sub.worker.url) == 2  # both honest stores are held
+            finally:
+                await sub.close()
 
     with caplog.at_level(logging.WARNING, logger="omniinfer.proxy"):
         asyncio.run(scenario())
@@ -161,36 +173,33 @@ def test_a_replay_that_never_ends_keeps_its_deadline_memory_and_loop(offset: int
     limits = KvLimits(replay_timeout_s=0.5, replay_max_bytes=4 << 20)
 
     async def scenario() -> None:
-        ctx = zmq.asyncio.Context()
-        pub = ctx.socket(zmq.PUB)
-        port, replay_port = free_port(), free_port()
-        pub.bind(f"tcp://127.0.0.1:{port}")
-        peer = _peer("replay", replay_port, 6.0, 100_000, offset)
-        sub, truth, source, _ = _subscription(ctx, f"tcp://127.0.0.1:{port}",
-                                              f"tcp://127.0.0.1:{replay_port}", limits)
-        try:
-            await _joined(pub, source)
-            await asyncio.sleep(0.5)  # the replay peer is up
-            tracemalloc.start()
-            started = time.monotonic()
-            await pub.send_multipart((b"", seq_bytes(10**9), _store(3, 1, list(range(16, 32)))))
-            lag = await _max_lag_while(lambda: source.last_seq != 10**9, limit_s=8.0)
-            took = time.monotonic() - started
-            _, peak = tracemalloc.get_traced_memory()
-            tracemalloc.stop()
-            assert source.last_seq == 10**9, source.describe()
-            assert source.gaps == 1 and source.replays == 0 and source.replay_failures == 1
-            assert took < limits.replay_timeout_s + 2.0, f"the replay took {took:.2f} s"
-            assert peak < 24 << 20, f"{peak / 2**20:.0f} MiB held during the replay"
-            assert lag < LAG_LIMIT_S, f"the event loop was held {lag:.3f} CPU s"
-        finally:
-            if tracemalloc.is_tracing():
+        with _publisher() as (_, pub, endpoint):
+            replay_port = free_port()
+            peer = _peer("replay", replay_port, 6.0, 100_000, offset)
+            sub, truth, source, _ = _subscription(endpoint, f"tcp://127.0.0.1:{replay_port}",
+                                                  limits)
+            try:
+                await _joined(pub, source)
+                await asyncio.sleep(0.5)  # the replay peer is up
+                tracemalloc.start()
+                started = time.monotonic()
+                await pub.send_multipart((b"", seq_bytes(10**9),
+                                          _store(3, 1, list(range(16, 32)))))
+                lag = await _max_lag_while(lambda: source.last_seq != 10**9, limit_s=8.0)
+                took = time.monotonic() - started
+                _, peak = tracemalloc.get_traced_memory()
                 tracemalloc.stop()
-            await sub.close()
-            pub.close(linger=0)
-            ctx.destroy(linger=0)
-            peer.kill()
-            peer.wait()
+                assert source.last_seq == 10**9, source.describe()
+                assert source.gaps == 1 and source.replays == 0 and source.replay_failures == 1
+                assert took < limits.replay_timeout_s + 2.0, f"the replay took {took:.2f} s"
+                assert peak < 24 << 20, f"{peak / 2**20:.0f} MiB held during the replay"
+                assert lag < LAG_LIMIT_S, f"the event loop was held {lag:.3f} CPU s"
+            finally:
+                if tracemalloc.is_tracing():
+                    tracemalloc.stop()
+                await sub.close()
+                peer.kill()
+                peer.wait()
 
     asyncio.run(scenario())
 
@@ -212,24 +221,20 @@ def test_every_socket_to_a_worker_bounds_its_queue_and_message_size(
     monkeypatch.setattr(zmtp, "connect", recorded)
 
     async def scenario() -> None:
-        ctx = zmq.asyncio.Context()
-        pub = ctx.socket(zmq.PUB)
-        port, replay_port = free_port(), free_port()
-        pub.bind(f"tcp://127.0.0.1:{port}")
-        replay = ctx.socket(zmq.ROUTER)
-        replay.bind(f"tcp://127.0.0.1:{replay_port}")
-        sub, _, source, _ = _subscription(ctx, f"tcp://127.0.0.1:{port}",
-                                          f"tcp://127.0.0.1:{replay_port}")
-        feed = WorkerFeed(Worker("http://127.0.0.1:2", Role.DECODE), [f"tcp://127.0.0.1:{port}"],
-                          "load", lambda w: None)
-        try:
-            await _joined(pub, source)
-            await pub.send_multipart((b"", seq_bytes(5), _store(4, 1, list(range(16, 32)))))
-            assert await eventually(lambda: source.last_seq == 5)  # after a (failed) replay
-        finally:
-            await sub.close()
-            await feed.close()
-            ctx.destroy(linger=0)
+        with _publisher() as (ctx, pub, endpoint):
+            replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+            replay = ctx.socket(zmq.ROUTER)
+            replay.bind(replay_endpoint)
+            sub, _, source, _ = _subscription(endpoint, replay_endpoint)
+            feed = WorkerFeed(Worker("http://127.0.0.1:2", Role.DECODE), [endpoint], "load",
+                              lambda w: None)
+            try:
+                await _joined(pub, source)
+                await pub.send_multipart((b"", seq_bytes(5), _store(4, 1, list(range(16, 32)))))
+                assert await eventually(lambda: source.last_seq == 5)  # after a (failed) replay
+            finally:
+                await sub.close()
+                await feed.close()
         kinds = [kind for kind, _ in seen]
         assert kinds.count(zmtp.SUB) >= 2 and zmtp.DEALER in kinds, seen  # KV, feed, replay
         for kind, limits in seen:
@@ -246,27 +251,22 @@ def test_an_oversized_message_never_reaches_the_router() -> None:
     limits = KvLimits(max_message_bytes=1 << 20)
 
     async def scenario() -> None:
-        ctx = zmq.asyncio.Context()
-        pub = ctx.socket(zmq.PUB)
-        port = free_port()
-        pub.bind(f"tcp://127.0.0.1:{port}")
-        sub, truth, source, index = _subscription(ctx, f"tcp://127.0.0.1:{port}", None, limits)
-        try:
-            await _joined(pub, source)
-            huge = _store(5, 1, list(range(16, 16 + (1 << 19))))  # > 1 MiB of msgpack
-            assert len(huge) > limits.max_message_bytes
-            await pub.send_multipart((b"", seq_bytes(1), huge))
-            honest = _store(6, None, list(range(100, 116)))
-            seqs = iter(range(2, 10_000))
-            assert await eventually(
-                lambda: index.size(sub.worker.url) == 1 and truth.blocks() == 1,
-                lambda: pub.send_multipart((b"", seq_bytes(next(seqs)), honest)))
-            assert source.last_seq is not None and source.last_seq >= 2
-            assert truth.describe()["stored_pages"] <= 3  # page 5 never stored
-        finally:
-            await sub.close()
-            pub.close(linger=0)
-            ctx.destroy(linger=0)
+        with _publisher() as (_, pub, endpoint):
+            sub, truth, source, index = _subscription(endpoint, None, limits)
+            try:
+                await _joined(pub, source)
+                huge = _store(5, 1, list(range(16, 16 + (1 << 19))))  # > 1 MiB of msgpack
+                assert len(huge) > limits.max_message_bytes
+                await pub.send_multipart((b"", seq_bytes(1), huge))
+                honest = _store(6, None, list(range(100, 116)))
+                seqs = iter(range(2, 10_000))
+                assert await eventually(
+                    lambda: index.size(sub.worker.url) == 1 and truth.blocks() == 1,
+                    lambda: pub.send_multipart((b"", seq_bytes(next(seqs)), honest)))
+                assert source.last_seq is not None and source.last_seq >= 2
+                assert truth.describe()["stored_pages"] <= 3  # page 5 never stored
+            finally:
+                await sub.close()
 
     asyncio.run(scenario())
 
@@ -277,58 +277,48 @@ def test_large_pages_that_are_never_evicted_stay_within_the_token_budget() -> No
     budget = 16 * (4096 + RUN_CHARGE)
 
     async def scenario() -> None:
-        ctx = zmq.asyncio.Context()
-        pub = ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, 0)
-        port = free_port()
-        pub.bind(f"tcp://127.0.0.1:{port}")
-        worker = Worker("http://127.0.0.1:1", Role.REGULAR)
-        index = PrefixIndex()
-        truth = WorkerCacheTruth(worker.url, index, 16, max_tokens=budget)
-        source = Source(f"tcp://127.0.0.1:{port}")
-        sub = WorkerSubscription(worker, truth, [source], 4096)
-        try:
-            await _joined(pub, source)
-            most = 0
-            for seq in range(1, 201):
-                tokens = list(range(seq * 5000, seq * 5000 + 4096))
-                await pub.send_multipart((b"", seq_bytes(seq), _store(1000 + seq, None, tokens)))
-                most = max(most, truth.tokens())
-                if seq % 20 == 0:
-                    await asyncio.sleep(0.01)
-            assert await eventually(lambda: source.last_seq == 200), source.describe()
-            assert max(most, truth.tokens()) <= budget and truth.tokens() == budget
-            assert index.size(worker.url) == 16 * 256 and source.gaps == 0
-            assert truth.describe()["evicted_pages"] == 200 + 1 - 16
-        finally:
-            await sub.close()
-            pub.close(linger=0)
-            ctx.destroy(linger=0)
+        with _publisher(hwm=0) as (_, pub, endpoint):
+            worker = Worker("http://127.0.0.1:1", Role.REGULAR)
+            index = PrefixIndex()
+            truth = WorkerCacheTruth(worker.url, index, 16, max_tokens=budget)
+            source = Source(endpoint)
+            sub = WorkerSubscription(worker, truth, [source], 4096)
+            try:
+                await _joined(pub, source)
+                most = 0
+                for seq in range(1, 201):
+                    tokens = list(range(seq * 5000, seq * 5000 + 4096))
+                    await pub.send_multipart((b"", seq_bytes(seq),
+                                              _store(1000 + seq, None, tokens)))
+                    most = max(most, truth.tokens())
+                    if seq % 20 == 0:
+                        await asyncio.sleep(0.01)
+                assert await eventually(lambda: source.last_seq == 200), source.describe()
+                assert max(most, truth.tokens()) <= budget and truth.tokens() == budget
+                assert index.size(worker.url) == 16 * 256 and source.gaps == 0
+                assert truth.describe()["evicted_pages"] == 200 + 1 - 16
+            finally:
+                await sub.close()
 
     asyncio.run(scenario())
 
 
 def test_a_deeply_nested_payload_is_one_bad_message() -> None:
     async def scenario() -> None:
-        ctx = zmq.asyncio.Context()
-        pub = ctx.socket(zmq.PUB)
-        port = free_port()
-        pub.bind(f"tcp://127.0.0.1:{port}")
-        failures: list[str] = []
-        sub, truth, source, _ = _subscription(ctx, f"tcp://127.0.0.1:{port}",
-                                              failures=failures)
-        try:
-            await _joined(pub, source)
-            nested = b"\x92\xcb" + b"\x00" * 8 + b"\x91" * 200_000 + b"\x90"
-            await pub.send_multipart((b"", seq_bytes(1), nested))
-            await pub.send_multipart((b"", seq_bytes(2), _store(7, None, list(range(40, 56)))))
-            assert await eventually(lambda: source.last_seq == 2), source.describe()
-            assert source.malformed == 1 and source.failures == 0 and not failures
-            assert truth.blocks() == 1  # the undecodable batch forgot page 1; page 7 is held
-        finally:
-            await sub.close()
-            pub.close(linger=0)
-            ctx.destroy(linger=0)
+        with _publisher() as (_, pub, endpoint):
+            failures: list[str] = []
+            sub, truth, source, _ = _subscription(endpoint, failures=failures)
+            try:
+                await _joined(pub, source)
+                nested = b"\x92\xcb" + b"\x00" * 8 + b"\x91" * 200_000 + b"\x90"
+                await pub.send_multipart((b"", seq_bytes(1), nested))
+                await pub.send_multipart((b"", seq_bytes(2),
+                                          _store(7, None, list(range(40, 56)))))
+                assert await eventually(lambda: source.last_seq == 2), source.describe()
+                assert source.malformed == 1 and source.failures == 0 and not failures
+                assert truth.blocks() == 1  # the undecodable batch forgot page 1; page 7 held
+            finally:
+                await sub.close()
 
     asyncio.run(scenario())
 
@@ -339,9 +329,8 @@ def test_a_failing_reader_is_logged_counted_and_restarted(
     is logged with its traceback, counted, reported to the hook, and retried."""
 
     async def scenario() -> None:
-        ctx = zmq.asyncio.Context()
         failures: list[str] = []
-        sub, _, source, _ = _subscription(ctx, "tcp://not a host:1", failures=failures,
+        sub, _, source, _ = _subscription("tcp://not a host:1", failures=failures,
                                           limits=KvLimits(restart_backoff_s=0.05))
         feed = WorkerFeed(Worker("http://127.0.0.1:3", Role.DECODE), ["tcp://not a host:2"],
                           "load", lambda w: None, on_failure=failures.append,
@@ -354,7 +343,6 @@ def test_a_failing_reader_is_logged_counted_and_restarted(
         finally:
             await sub.close()
             await feed.close()
-            ctx.destroy(linger=0)
 
     with caplog.at_level(logging.WARNING, logger="omniinfer.proxy"):
         asyncio.run(scenario())

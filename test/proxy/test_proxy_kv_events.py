@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import zmq
 import zmq.asyncio
 from proxy_helpers import get, post, sse_events, wait_until
@@ -39,14 +37,6 @@ def _emu(log: Path, kv_port: int | None, replay_port: int | None = None,
         args += ["--kv-events-config", json.dumps(config)]
     return EmulatorProcess(profile="cpu-smollm2", time_scale=0.01, port=port, extra_args=args,
                            log_path=log).start()
-
-
-@pytest.fixture
-def tmp_logs(tmp_path: Path) -> Iterator[tuple[Path, list[Any]]]:
-    started: list[Any] = []
-    yield tmp_path, started
-    for thing in reversed(started):
-        thing.stop()
 
 
 def _router(tmp: Path, started: list[Any], *args: str) -> RouterProcess:

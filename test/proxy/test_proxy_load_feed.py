@@ -8,11 +8,9 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from proxy_helpers import get, post, wait_until
 
 from omniinfer.child_process import free_port
@@ -29,21 +27,13 @@ def _emu(log: Path, feed: bool, time_scale: float = 0.01) -> EmulatorProcess:
                            log_path=log).start()
 
 
-@pytest.fixture
-def started(tmp_path: Path) -> Iterator[tuple[Path, list[Any]]]:
-    things: list[Any] = []
-    yield tmp_path, things
-    for thing in reversed(things):
-        thing.stop()
-
-
 def _feed(router: RouterProcess, url: str) -> dict[str, Any]:
     return get(router.base_url + "/list_workers")[1]["load_feed"]["workers"][url]
 
 
 def test_feed_replaces_the_poll_and_the_poll_returns_when_it_is_silent(
-        started: tuple[Path, list[Any]]) -> None:
-    tmp, things = started
+        tmp_logs: tuple[Path, list[Any]]) -> None:
+    tmp, things = tmp_logs
     fed = _emu(tmp / "fed.log", feed=True, time_scale=0.5)
     things.append(fed)
     polled = _emu(tmp / "polled.log", feed=False)

@@ -7,10 +7,11 @@ the whole 18 MB message, which is why the router no longer reads workers through
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import tracemalloc
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 import zmq
@@ -66,6 +67,20 @@ def _endless(sent: Sent, frame_bytes: int, frames: int | None = None) -> Handler
     return handler
 
 
+@contextlib.contextmanager
+def _bound(kind: int, hwm: int | None = None) -> Iterator[tuple[zmq.asyncio.Socket, str]]:
+    """A pyzmq ``kind`` socket bound to a random loopback port (``hwm``: its send high-water
+    mark, else ZMQ's), and its endpoint; its context destroyed at exit, nothing lingering."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(kind)
+    if hwm is not None:
+        sock.setsockopt(zmq.SNDHWM, hwm)
+    try:
+        yield sock, f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+    finally:
+        ctx.destroy(linger=0)
+
+
 def _run(scenario: Callable[[], Awaitable[None]], loop: str = "asyncio") -> None:
     """Run ``scenario`` on asyncio's own loop or on uvloop (the router's)."""
     factory = None
@@ -83,11 +98,8 @@ LOOPS = pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 @LOOPS
 def test_messages_and_topic_filter_from_a_real_pub(loop: str) -> None:
     async def scenario() -> None:
-        ctx = zmq.asyncio.Context()
-        pub = ctx.socket(zmq.XPUB)
-        port = pub.bind_to_random_port("tcp://127.0.0.1")
-        try:
-            conn = await zmtp.connect(f"tcp://127.0.0.1:{port}", zmtp.SUB, subscribe=[b"kv"])
+        with _bound(zmq.XPUB) as (pub, endpoint):
+            conn = await zmtp.connect(endpoint, zmtp.SUB, subscribe=[b"kv"])
             assert conn.peer_type == "XPUB"
             # the 3.0 subscription message reaches libzmq as a subscription
             assert await asyncio.wait_for(pub.recv(), 5) == b"\x01kv"
@@ -100,8 +112,6 @@ def test_messages_and_topic_filter_from_a_real_pub(loop: str) -> None:
             pub.close(linger=0)
             with pytest.raises(ZmtpError, match="closed"):
                 await asyncio.wait_for(conn.recv_multipart(), 5)
-        finally:
-            ctx.destroy(linger=0)
 
     _run(scenario, loop)
 
@@ -129,11 +139,8 @@ def test_a_sub_filters_what_a_publisher_sends_regardless() -> None:
 @LOOPS
 def test_replay_request_and_answer_with_a_real_router(loop: str) -> None:
     async def scenario() -> None:
-        ctx = zmq.asyncio.Context()
-        router = ctx.socket(zmq.ROUTER)
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        try:
-            conn = await zmtp.connect(f"tcp://127.0.0.1:{port}", zmtp.DEALER, identity=b"me")
+        with _bound(zmq.ROUTER) as (router, endpoint):
+            conn = await zmtp.connect(endpoint, zmtp.DEALER, identity=b"me")
             assert conn.peer_type == "ROUTER"
             conn.send_multipart((b"", (7).to_bytes(8, "big")))
             client, empty, start = await asyncio.wait_for(router.recv_multipart(), 5)
@@ -146,8 +153,6 @@ def test_replay_request_and_answer_with_a_real_router(loop: str) -> None:
                 b"", b"kv", (7).to_bytes(8, "big"), big]
             assert (await asyncio.wait_for(conn.recv_multipart(), 5))[2] == b"\xff" * 8
             conn.close()
-        finally:
-            ctx.destroy(linger=0)
 
     _run(scenario, loop)
 
@@ -159,13 +164,8 @@ def test_a_fast_publisher_is_pushed_back_not_buffered(loop: str) -> None:
     limits = ZmtpLimits(queue_messages=4)
 
     async def scenario() -> None:
-        ctx = zmq.asyncio.Context()
-        pub = ctx.socket(zmq.XPUB)
-        pub.setsockopt(zmq.SNDHWM, 0)  # never drop: everything waits for the reader
-        port = pub.bind_to_random_port("tcp://127.0.0.1")
-        try:
-            conn = await zmtp.connect(f"tcp://127.0.0.1:{port}", zmtp.SUB, limits,
-                                      subscribe=[b""])
+        with _bound(zmq.XPUB, hwm=0) as (pub, endpoint):  # never drop: all waits for the reader
+            conn = await zmtp.connect(endpoint, zmtp.SUB, limits, subscribe=[b""])
             assert await asyncio.wait_for(pub.recv(), 5) == b"\x01"  # subscribed
             for i in range(4000):
                 await pub.send_multipart((b"t", i.to_bytes(4, "big"), b"x" * 1000))
@@ -175,8 +175,6 @@ def test_a_fast_publisher_is_pushed_back_not_buffered(loop: str) -> None:
             got = [await asyncio.wait_for(conn.recv_multipart(), 5) for _ in range(4000)]
             assert [int.from_bytes(m[1], "big") for m in got] == list(range(4000))
             conn.close()
-        finally:
-            ctx.destroy(linger=0)
 
     _run(scenario, loop)
 

@@ -70,23 +70,20 @@ def test_bad_values_raise_one_line(argv: list[str], fragment: str) -> None:
     assert fragment in str(info.value) and "\n" not in str(info.value)
 
 
-def test_plan_needs_placement_enabled(tmp_path: Path) -> None:
-    plan = tmp_path / "plan.json"
-    plan.write_text("{}")
-    with pytest.raises(OmniFlagError, match="needs --enable-omni-placement"):
-        parse(["--omni-placement-plan", str(plan)])
+@pytest.mark.parametrize(("flag", "content", "match"), [
+    ("--omni-placement-plan", "{}", "needs --enable-omni-placement"),  # placement is off
+    ("--omni-attn-pattern", "[1, 2, 3]", "JSON object"),
+])
+def test_a_file_flag_is_refused(tmp_path: Path, flag: str, content: str, match: str) -> None:
+    path = tmp_path / "flag.json"
+    path.write_text(content)
+    with pytest.raises(OmniFlagError, match=match):
+        parse([flag, str(path)])
 
 
 def test_attn_context_needs_a_pattern() -> None:
     with pytest.raises(OmniFlagError, match="--omni-attn-context: needs --omni-attn-pattern"):
         parse(["--omni-attn-context", "8192"])
-
-
-def test_pattern_must_hold_a_json_object(tmp_path: Path) -> None:
-    pattern = tmp_path / "p.json"
-    pattern.write_text("[1, 2, 3]")
-    with pytest.raises(OmniFlagError, match="JSON object"):
-        parse(["--omni-attn-pattern", str(pattern)])
 
 
 def test_environment_config_is_validated() -> None:

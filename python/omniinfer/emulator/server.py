@@ -100,21 +100,21 @@ class WorkerServer:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._errors])
         r = app.router
-        r.add_route("POST", "/generate", self.generate)
-        r.add_route("PUT", "/generate", self.generate)
+        for method in ("POST", "PUT"):
+            r.add_route(method, "/generate", self.generate)
         r.add_post("/v1/completions", self.completions)
         r.add_post("/v1/chat/completions", self.chat)
         for path in ("/health", "/health_generate", "/ready"):
             r.add_get(path, self.health)
-        r.add_get("/model_info", self.model_info)
-        r.add_get("/get_model_info", self.model_info)
-        r.add_get("/server_info", self.server_info)
-        r.add_get("/get_server_info", self.server_info)
+        for path in ("/model_info", "/get_model_info"):
+            r.add_get(path, self.model_info)
+        for path in ("/server_info", "/get_server_info"):
+            r.add_get(path, self.server_info)
         r.add_get("/v1/loads", self.loads)
         r.add_get("/v1/models", self.models)
         r.add_get("/metrics", self.metrics_page)
-        r.add_route("GET", "/flush_cache", self.flush_cache)
-        r.add_route("POST", "/flush_cache", self.flush_cache)
+        for method in ("GET", "POST"):
+            r.add_route(method, "/flush_cache", self.flush_cache)
         r.add_post("/abort_request", self.abort_request)
         r.add_get("/emulator/faults", self.get_faults)
         r.add_post("/emulator/faults", self.set_faults)
