@@ -304,3 +304,29 @@ def test_the_shipped_oas_books_no_delays() -> None:
     policy = create_policy("oas", PolicyContext(RouterConfig(oas_ttft_slo_secs=2.0),
                                                 PrefixIndex(), Role.PREFILL))
     assert policy.delays is None
+
+
+def test_the_sticky_variant_charges_a_miss_and_waits_to_redirect_twice(monkeypatch) -> None:
+    """``oas_sticky``: the extra compute a miss costs counts twice in the estimate and in the
+    wait before a redirect to an idle instance; ``oas`` counts it once."""
+    from omniinfer.proxy.oas.policy import OASSticky
+
+    clock = InstanceClock("w")
+    clock.model.seed_per_token(1e-5 * MIN_SEED_TOKENS, MIN_SEED_TOKENS)
+
+    class Held:
+        prompt_tokens = 4000
+
+        def uncached_tokens(self, worker: object) -> int:
+            return 4000
+
+    item = Waiting("r", 4000, 0.04, 0.0)
+    estimates, waits = {}, {}
+    for cls in (OASPolicy, OASSticky):
+        policy = cls(PolicyContext(RouterConfig(), PrefixIndex(), Role.PREFILL))
+        monkeypatch.setattr(policy, "placement", lambda item, inst: (Held(), object(), inst))
+        monkeypatch.setattr(cls, "_extra_compute", staticmethod(lambda item, clock, n: 0.3))
+        waits[cls.name] = policy._redirect_wait(item, clock)
+        estimates[cls.name] = policy.estimate(item, clock, 0.0)
+    assert waits == {"oas": pytest.approx(0.3), "oas_sticky": pytest.approx(0.6)}
+    assert estimates["oas_sticky"] - estimates["oas"] == pytest.approx(0.3)

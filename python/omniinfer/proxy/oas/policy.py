@@ -41,7 +41,9 @@ deadline), judging "can still" with the soonest instance's predicted queue inclu
 instead: a high quantile of what recent requests spent between release and the end of their
 prefill beyond their own predicted compute (``cost.ObservedDelay``); ``oas_edf_q1`` is
 ``oas_edf`` with one batch, not two, queued at an instance (lateness decided in the router's
-queue rather than in the instances'). What each part measured:
+queue rather than in the instances'); ``oas_sticky`` charges a cache miss twice and waits twice
+the recompute before redirecting (chats kept on the worker that holds them). What each part
+measured:
 docs/benchmarks.md, "OmniProxy OAS evaluation" and "OmniProxy SLO capacity".
 """
 
@@ -82,6 +84,7 @@ class OASPolicy(DeferringPolicy):
     # adds miss_weight x the compute this instance needs beyond the request's cheapest one.
     miss_weight: ClassVar[float] = 1.0
     patient_redirect: ClassVar[bool] = True  # to a starved instance only after the ski-rental wait
+    redirect_weight: ClassVar[float] = 1.0  # that wait as a multiple of the extra compute
     transfer = TransferModel()  # the same for every prefill instance of one decode pool
 
     def make_queue(self) -> DeferredQueue:
@@ -124,7 +127,8 @@ class OASPolicy(DeferringPolicy):
         if placed is None:
             return 0.0
         request, worker, clock = placed
-        return self._extra_compute(item, clock, request.uncached_tokens(worker))
+        return self.redirect_weight * self._extra_compute(item, clock,
+                                                          request.uncached_tokens(worker))
 
     def _capacity(self, now: float) -> tuple[int, float]:
         """Prefill instances and the mean predicted seconds already sent to each."""
@@ -201,6 +205,7 @@ OASMooreHodgson = _variant("oas_mh", slo_rule="sacrifice")
 OASGoodput = _variant("oas_goodput", order_name="shortest_first", bound_cycles=32.0)
 OASTTFTOnly = _variant("oas_ttft_only", miss_weight=0.0, patient_redirect=False)
 OASAged = _variant("oas_aged", order_name="short_old_first", bound_cycles=8.0)
+OASSticky = _variant("oas_sticky", miss_weight=2.0, redirect_weight=2.0)
 OASEDF = _variant("oas_edf", order_name="fifo", late_with_queue=True)
 OASEDFObserved = _variant("oas_edf_obs", order_name="fifo", late_observed=True)
 OASObserved = _variant("oas_obs", late_observed=True)
