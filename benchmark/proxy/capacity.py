@@ -115,9 +115,16 @@ def at_rate(requests: list[BenchRequest], workload: str, qpm: float, seed: int
     return [dataclasses.replace(r, arrival_s=float(t)) for r, t in zip(requests, times, strict=True)]
 
 
-def target_list(only: str | None, ours: str = "oas") -> list[Target]:
+def target_list(only: str | None, ours: str = "oas", peer: str = "smg",
+                kv_events: bool = False) -> list[Target]:
+    """Our policies (each also as ``omni:POLICY@kv-events``, its prefix index filled from the
+    workers' KV events, with ``kv_events``), then every policy of ``peer``; ``only`` keeps the
+    names it lists."""
     out = [Target(f"omni:{p}", "omni", p) for p in ours.split(",")]
-    out += [Target(name, *name.split(":", 1)) for name in peer_targets("smg", pd=True)]
+    if kv_events:
+        out += [Target(f"omni:{p}@kv-events", "omni", p, cache_truth="kv-events")
+                for p in ours.split(",")]
+    out += [Target(name, *name.split(":", 1)) for name in peer_targets(peer, pd=True)]
     if only:
         keep = only.split(",")
         out = [t for t in out if t.name in keep]
@@ -142,7 +149,8 @@ def sweep(cluster_name: str, workload: str, args: argparse.Namespace, out_rows: 
     args.time_scale = args.time_scales.get(workload, args.base_time_scale)
     slow = tuple(slow_profile(args.profile, SLOW_FACTOR, log_dir) for _ in range(n_slow))
     cluster = EmulatedCluster(n_p, n_d, args.profile, args.time_scale,
-                              log_dir / cluster_name, prefill_profiles=slow)
+                              log_dir / cluster_name, prefill_profiles=slow,
+                              kv_events=args.kv_events)
     try:
         for repeat in range(args.repeats):
             reqs = base_requests(workload, args.requests, args.seed + repeat,
@@ -154,7 +162,7 @@ def sweep(cluster_name: str, workload: str, args: argparse.Namespace, out_rows: 
             for mult in args.multipliers:
                 qpm = round(knee * mult * args.knee_scale.get(workload, 1.0), 1)
                 arrivals = at_rate(reqs, workload, qpm, args.seed + 1000 * repeat + 1)
-                for target in target_list(args.only, args.ours):
+                for target in target_list(args.only, args.ours, args.peer, args.kv_events):
                     shares = done.setdefault(target.name, [])
                     if sum(s < 0.9 for s in shares) >= 2 or any(s < 0.75 for s in shares):
                         continue
@@ -238,7 +246,10 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ours", default="oas", help="OmniProxy policies run (comma list); the "
                    "verdict compares omni:oas")
-    p.add_argument("--only", default=None, help="comma list of targets (omni:oas, smg:POLICY)")
+    p.add_argument("--only", default=None, help="comma list of targets (omni:oas, "
+                   "omni:oas@kv-events, smg:POLICY, sglang:POLICY)")
+    p.add_argument("--kv-events", action="store_true", help="the workers publish SGLang's KV "
+                   "events, and each of our policies also runs as POLICY@kv-events")
     add_peer_args(p)
     p.add_argument("--output-dir", type=Path, default=HERE.parent / "results" / "proxy" / "capacity")
     p.add_argument("--report", type=Path, default=None, metavar="RESULTS_JSON",

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "proxy"))
 
-from capacity import at_rate, base_requests, slow_profile  # noqa: E402
+from capacity import at_rate, base_requests, slow_profile, target_list  # noqa: E402
 from capacity_math import capacity_at, summarize_capacity, value_at  # noqa: E402
 
 from omniinfer.emulator.profile import load_profile  # noqa: E402
@@ -98,3 +98,15 @@ def test_markdown_lists_every_target_best_first_with_its_errors() -> None:
     assert lines[0].startswith("| omni:oas") and lines[1].startswith("| smg:a | < 1,000")
     assert lines[1].endswith("| 3 |")
     assert "median oas / best smg" in text
+
+
+def test_targets_add_the_kv_event_mode_and_the_chosen_peer() -> None:
+    plain = [t.name for t in target_list(None)]
+    assert plain[0] == "omni:oas" and all(n.startswith("smg:") for n in plain[1:])
+    assert not any("@kv-events" in n for n in plain)
+    both = target_list("omni:oas,omni:oas@kv-events,sglang:cache_aware", "oas", "sglang-router",
+                       kv_events=True)
+    assert [(t.name, t.cache_truth) for t in both] == [
+        ("omni:oas", "router"), ("omni:oas@kv-events", "kv-events"),
+        ("sglang:cache_aware", "router")]
+    assert both[2].router == "sglang" and both[2].policy == "cache_aware"
