@@ -9,7 +9,10 @@ inputs × 0.25, its hash blocks shared prefixes, sent as text with one word per 
 that text-matching prefix trees see the sharing): both traces keep their own arrival times,
 replayed faster. Outputs are × 0.05 everywhere (two CPU cores cannot stream 1K-token outputs at
 these rates). Clusters: ``4P1D``, ``8P2D`` and ``4P1D-slow`` (one prefill worker 1.5× slower in
-every prefill cost term). Emulated ``h100-llama3-8b`` workers at ``--time-scale``.
+every prefill cost term). Emulated ``h100-llama3-8b`` workers at ``--time-scale``. The peer is
+smg 1.13 (``smg:POLICY`` targets) or, with ``--peer sglang-router``, the old Rust router
+(``sglang:POLICY``); with ``--kv-events`` the workers publish SGLang's KV events and each of our
+policies also runs as ``omni:POLICY@kv-events``. The verdict lines compare with smg only.
 
 Every (rate, repeat) point runs every target interleaved with flushed caches and a fresh router;
 a target stops climbing once it has fallen below 90 % twice or below 75 % once (the knee is
