@@ -199,3 +199,12 @@ class ManagedProcess:
 
     def __exit__(self, *_exc: object) -> None:
         self.stop()
+
+
+class SGLangServerProcess(ManagedProcess):
+    """A ``python -m sglang.launch_server`` child: ready once it can generate
+    (``GET /health_generate`` answers 200), probed every second."""
+
+    kind = "server"
+    ready_path = "/health_generate"
+    poll_s = 1.0

@@ -15,19 +15,15 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from omniinfer.child_process import ManagedProcess, free_port
+from omniinfer.child_process import ManagedProcess, SGLangServerProcess, free_port
 from omniinfer.cpu.server_env import cpu_env
 from omniinfer.deploy.commands import Server, plain, router_args, server_command
 from omniinfer.deploy.spec import DeployError, Deployment
 from omniinfer.proxy.process import RouterProcess
 
 
-class ServerProcess(ManagedProcess):
-    """One SGLang server of the deployment (``role``: prefill or decode), ready once it can
-    generate (``GET /health_generate`` answers 200)."""
-
-    ready_path = "/health_generate"
-    poll_s = 1.0
+class ServerProcess(SGLangServerProcess):
+    """One SGLang server of the deployment (``role``: prefill or decode)."""
 
     def __init__(self, command: list[str], env: dict[str, str], log_path: Path, port: int,
                  role: str, ready_timeout_s: float = 600.0) -> None:

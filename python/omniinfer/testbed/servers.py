@@ -2,7 +2,8 @@
 
 ``cpu_server_command`` is the stock ``python -m sglang.launch_server`` command line with the CPU
 flags (:data:`omniinfer.cpu.server_env.CPU_FLAGS`); ``SGLangServer`` runs it as a
-:class:`~omniinfer.child_process.ManagedProcess`, ready once the server can generate.
+:class:`~omniinfer.child_process.SGLangServerProcess` (ready once the server can
+generate).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from omniinfer.child_process import ManagedProcess
+from omniinfer.child_process import SGLangServerProcess
 from omniinfer.cpu.server_env import CPU_FLAGS
 
 
@@ -34,9 +35,5 @@ def cpu_server_command(
     ]
 
 
-class SGLangServer(ManagedProcess):
-    """A running ``sglang.launch_server``: ready when it can generate."""
-
-    kind = "server"
-    ready_path = "/health_generate"
-    poll_s = 1.0
+class SGLangServer(SGLangServerProcess):
+    """A running ``sglang.launch_server`` of the test bed (readiness as the product's)."""
