@@ -33,21 +33,16 @@ import argparse
 import dataclasses
 import json
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from capacity_math import capacity_at, markdown, summarize_capacity
+from cluster import EmulatedCluster, add_peer_args, peer_targets
+from oas_eval import Target, run_target
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from capacity_math import capacity_at, markdown, summarize_capacity  # noqa: E402
-from cluster import EmulatedCluster, add_peer_args, peer_targets  # noqa: E402
-from oas_eval import Target, run_target  # noqa: E402
-
-from omniinfer.bench.workloads import (  # noqa: E402
+from omniinfer.bench.workloads import (
     BenchRequest,
     WorkloadSpec,
     as_word_text,
@@ -55,7 +50,9 @@ from omniinfer.bench.workloads import (  # noqa: E402
     mooncake,
     paper,
 )
-from omniinfer.emulator.profile import dump_profile, load_profile  # noqa: E402
+from omniinfer.emulator.profile import dump_profile, load_profile
+
+HERE = Path(__file__).resolve().parent
 
 VOCAB = 128000
 CLUSTERS = {"4P1D": (4, 1, 0), "8P2D": (8, 2, 0), "4P1D-slow": (4, 1, 1)}  # (P, D, slow ones)

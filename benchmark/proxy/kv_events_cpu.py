@@ -26,20 +26,18 @@ import os
 import pstats
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from omniinfer.emulator.kv_event_publisher import KvEventRecorder
+from omniinfer.emulator.radix_cache import RadixCache
+from omniinfer.kv_event_wire import decode_batch, encode_batch
+from omniinfer.proxy.prefix import PrefixIndex
+from omniinfer.proxy.worker_cache_truth import WorkerCacheTruth
 
-from omniinfer.emulator.kv_event_publisher import KvEventRecorder  # noqa: E402
-from omniinfer.emulator.radix_cache import RadixCache  # noqa: E402
-from omniinfer.kv_event_wire import decode_batch, encode_batch  # noqa: E402
-from omniinfer.proxy.prefix import PrefixIndex  # noqa: E402
-from omniinfer.proxy.worker_cache_truth import WorkerCacheTruth  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 
 def event_stream(prompts: int, prompt_tokens: int, shared_share: float, capacity: int,

@@ -39,7 +39,6 @@ import asyncio
 import dataclasses
 import json
 import signal
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -47,11 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from cluster import (  # noqa: E402
+from cluster import (
     EmulatedCluster,
     add_peer_args,
     free_port,
@@ -59,12 +54,14 @@ from cluster import (  # noqa: E402
     start_router,
     target_router_command,
 )
-from report import write_report  # noqa: E402
+from report import write_report
 
-from omniinfer.bench.client import RequestResult  # noqa: E402
-from omniinfer.bench.metrics import summarize  # noqa: E402
-from omniinfer.bench.runner import run_closed_loop, run_trace_replay  # noqa: E402
-from omniinfer.bench.workloads import BenchRequest, WorkloadSpec, mooncake, paper  # noqa: E402
+from omniinfer.bench.client import RequestResult
+from omniinfer.bench.metrics import summarize
+from omniinfer.bench.runner import run_closed_loop, run_trace_replay
+from omniinfer.bench.workloads import BenchRequest, WorkloadSpec, mooncake, paper
+
+HERE = Path(__file__).resolve().parent
 
 OURS = ("oas", "oas_goodput", "omni_default", "omni_earliest_batch")
 ABLATIONS = ("oas_no_defer", "oas_no_resort", "oas_no_cache", "oas_no_lpt", "oas_no_slo",

@@ -30,17 +30,15 @@ import argparse
 import heapq
 import json
 import statistics
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from capacity import at_rate, base_requests
+from capacity_math import capacity_at
+
+from omniinfer.emulator.profile import load_profile
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from capacity import at_rate, base_requests  # noqa: E402
-from capacity_math import capacity_at  # noqa: E402
-
-from omniinfer.emulator.profile import load_profile  # noqa: E402
 
 MAX_MULTIPLIER = 10.0  # a sweep that finds no knee below this many times the throughput fails
 

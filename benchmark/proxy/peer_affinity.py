@@ -17,17 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from cluster import (  # noqa: E402
+from cluster import (
     EmulatedCluster,
     free_port,
     omni_router_args,
@@ -35,10 +29,13 @@ from cluster import (  # noqa: E402
     peer_router_command,
     start_router,
 )
-from prefix_eval import TOKENIZER, Target, _load_tokenizer  # noqa: E402
+from prefix_eval import TOKENIZER, Target, _load_tokenizer
+from tqdm import tqdm
 
-from omniinfer.bench.prefix_workloads import PREFIX_WORKLOADS  # noqa: E402
-from omniinfer.bench.workloads import BenchRequest, WorkloadSpec  # noqa: E402
+from omniinfer.bench.prefix_workloads import PREFIX_WORKLOADS
+from omniinfer.bench.workloads import BenchRequest, WorkloadSpec
+
+HERE = Path(__file__).resolve().parent
 
 DEFAULT_TARGETS = ("omni:cache_aware,omni:oas,smg:cache_aware,smg:prefix_hash,"
                    "smg:consistent_hashing,smg:round_robin")

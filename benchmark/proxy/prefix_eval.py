@@ -35,19 +35,12 @@ import json
 import math
 import signal
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
-
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
-
-from cluster import (  # noqa: E402
+from cluster import (
     PEER_PREFIX,
     PREFILL_ONLY,
     EmulatedCluster,
@@ -58,13 +51,17 @@ from cluster import (  # noqa: E402
     start_router,
     target_router_command,
 )
-from oas_eval import router_state, to_model_time  # noqa: E402
-from prefix_report import write_report  # noqa: E402
+from oas_eval import router_state, to_model_time
+from prefix_report import write_report
+from tqdm import tqdm
 
-from omniinfer.bench.client import RequestResult  # noqa: E402
-from omniinfer.bench.prefix_workloads import PREFIX_WORKLOADS  # noqa: E402
-from omniinfer.bench.runner import run_trace_replay  # noqa: E402
-from omniinfer.bench.workloads import BenchRequest, WorkloadSpec, poisson_arrivals  # noqa: E402
+from omniinfer.bench.client import RequestResult
+from omniinfer.bench.prefix_workloads import PREFIX_WORKLOADS
+from omniinfer.bench.runner import run_trace_replay
+from omniinfer.bench.workloads import BenchRequest, WorkloadSpec, poisson_arrivals
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 
 CLUSTERS = {"8R": (0, 0, 8), "4P1D": (4, 1, 0)}  # (prefill, decode, regular)
 OMNI_TARGETS = ("omni:oas", "omni:oas@kv-events", "omni:cache_aware")

@@ -29,6 +29,19 @@ def _pattern(model: Path, path: Path, layers: list[int], num_layers: int | None 
     return path
 
 
+def test_a_pattern_that_does_not_fit_stops_the_launch(
+    tiny_models: dict[str, Path], cpu_engine_env: dict[str, str], tmp_path: Path,
+) -> None:
+    """The real launcher stops in one line (each refusal's message: the test below)."""
+    model = tiny_models["llama"]
+    pattern = _pattern(model, tmp_path / "p.json", [0], 7)
+    result = launch(["--model-path", str(model), "--device", "cpu", "--attention-backend",
+                     "torch_native", "--omni-attn-pattern", str(pattern)], cpu_engine_env)
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("omniinfer: error: --omni-attn-pattern:") and "pattern has 7 layers" in last
+
+
 @pytest.mark.parametrize(
     ("layers", "num_layers", "backend", "message"),
     [
@@ -37,17 +50,19 @@ def _pattern(model: Path, path: Path, layers: list[int], num_layers: int | None 
         ([], None, "torch_native", "compresses no layer"),
     ],
 )
-def test_a_pattern_that_does_not_fit_stops_the_launch(
-    tiny_models: dict[str, Path], cpu_engine_env: dict[str, str], tmp_path: Path,
+def test_a_pattern_that_does_not_fit_is_refused_in_one_line(
+    tiny_models: dict[str, Path], tmp_path: Path,
     layers: list[int], num_layers: int | None, backend: str, message: str,
 ) -> None:
+    from omniinfer.flags import OmniConfig, OmniFlagError
+    from omniinfer.sglang_plugin.omni_attn.plugin import prepare_namespace
+
     model = tiny_models["llama"]
-    pattern = _pattern(model, tmp_path / "p.json", layers, num_layers)
-    result = launch(["--model-path", str(model), "--device", "cpu", "--attention-backend", backend,
-                     "--omni-attn-pattern", str(pattern)], cpu_engine_env)
-    assert result.returncode == 2, result.stderr[-2000:]
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("omniinfer: error: --omni-attn-pattern:") and message in last
+    config = OmniConfig(omni_attn_pattern=str(_pattern(model, tmp_path / "p.json", layers,
+                                                       num_layers)))
+    with pytest.raises(OmniFlagError, match=message) as info:
+        prepare_namespace(_plain_namespace(model, attention_backend=backend), config)
+    assert str(info.value).startswith("--omni-attn-pattern:") and "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("budget", [None, 16384])
@@ -168,18 +183,3 @@ def test_pd_at_page_size_one_is_prepared_like_a_plain_server(tiny_models: dict[s
         prepare_namespace(namespace, config)
         assert json.loads(namespace.json_model_override_args)["is_hybrid_swa"] is True
         assert namespace.radix_cache_backend == RADIX_BACKEND
-
-
-def test_pd_with_the_decode_radix_cache_stops_the_launch_in_one_line(
-    tiny_models: dict[str, Path], cpu_engine_env: dict[str, str], tmp_path: Path,
-) -> None:
-    model = tiny_models["llama"]
-    pattern = _pattern(model, tmp_path / "p.json", [0])
-    result = launch(["--model-path", str(model), "--device", "cpu", "--attention-backend",
-                     "torch_native", "--disaggregation-mode", "decode",
-                     "--disaggregation-decode-enable-radix-cache",
-                     "--omni-attn-pattern", str(pattern)], cpu_engine_env)
-    assert result.returncode == 2, result.stderr[-2000:]
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("omniinfer: error: --omni-attn-pattern: "
-                           "--disaggregation-decode-enable-radix-cache")

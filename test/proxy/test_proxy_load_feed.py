@@ -34,7 +34,7 @@ def _feed(router: RouterProcess, url: str) -> dict[str, Any]:
 def test_feed_replaces_the_poll_and_the_poll_returns_when_it_is_silent(
         tmp_logs: tuple[Path, list[Any]]) -> None:
     tmp, things = tmp_logs
-    fed = _emu(tmp / "fed.log", feed=True, time_scale=0.5)
+    fed = _emu(tmp / "fed.log", feed=True, time_scale=0.1)  # ~10 s of generation
     things.append(fed)
     polled = _emu(tmp / "polled.log", feed=False)
     things.append(polled)

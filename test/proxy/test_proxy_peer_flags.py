@@ -135,18 +135,24 @@ def test_smg_names_for_the_load_poll_are_aliases() -> None:
 
 
 def test_metrics_on_the_peers_default_port_and_a_taken_one_is_skipped_unless_asked_for(
-    caplog: pytest.LogCaptureFixture
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """/metrics on :29000 by default (a scrape config written for sglang-router keeps working);
-    with 29000 taken the router still starts, and an explicit taken port is an error."""
+    with that port taken the router still starts, and an explicit taken port is an error. The
+    default is moved to a port this test holds, so that routers of other tests running at the
+    same time (which listen on the real default when it is free) cannot race it."""
     import asyncio
     import socket
     import urllib.request
 
     from router_inproc import free_port
 
+    from omniinfer.proxy import server
     from omniinfer.proxy.config import RouterConfig
-    from omniinfer.proxy.server import DEFAULT_METRICS_PORT, open_router
+
+    assert server.DEFAULT_METRICS_PORT == 29000  # sglang-router's and smg's
+    default = free_port()
+    monkeypatch.setattr(server, "DEFAULT_METRICS_PORT", default)
 
     def config(**extra: object) -> RouterConfig:
         return RouterConfig(worker_urls=["http://127.0.0.1:9"], host="127.0.0.1",
@@ -156,35 +162,29 @@ def test_metrics_on_the_peers_default_port_and_a_taken_one_is_skipped_unless_ask
     async def main() -> None:
         blocker = socket.socket()
         blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT
-        try:
-            blocker.bind(("127.0.0.1", DEFAULT_METRICS_PORT))
-            blocker.listen()
-            taken = True
-        except OSError:
-            taken = False  # another process listens there: taken all the same
-        serving = await open_router(config())
+        blocker.bind(("127.0.0.1", default))
+        blocker.listen()
+        serving = await server.open_router(config())
         try:
             assert serving.extra is None  # started without the metrics port
-            assert "metrics port 29000 not available" in caplog.text
+            assert f"metrics port {default} not available" in caplog.text
         finally:
             await serving.close()
         with pytest.raises(OSError):
-            await open_router(config(prometheus_port=DEFAULT_METRICS_PORT))
-        if taken:
-            blocker.close()
-            keyed = await open_router(config(api_key="secret"))  # that listener asks no key
-            try:
-                assert keyed.extra is None  # 29000 is free, yet not opened
-            finally:
-                await keyed.close()
-            serving = await open_router(config())
-            try:
-                url = f"http://127.0.0.1:{DEFAULT_METRICS_PORT}/metrics"
-                body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
-                assert b"# TYPE" in body
-            finally:
-                await serving.close()
+            await server.open_router(config(prometheus_port=default))
         blocker.close()
+        keyed = await server.open_router(config(api_key="secret"))  # that listener asks no key
+        try:
+            assert keyed.extra is None  # the port is free, yet not opened
+        finally:
+            await keyed.close()
+        serving = await server.open_router(config())
+        try:
+            url = f"http://127.0.0.1:{default}/metrics"
+            body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+            assert b"# TYPE" in body
+        finally:
+            await serving.close()
 
     asyncio.run(main())
 

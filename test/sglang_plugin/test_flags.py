@@ -73,6 +73,7 @@ def test_bad_values_raise_one_line(argv: list[str], fragment: str) -> None:
 @pytest.mark.parametrize(("flag", "content", "match"), [
     ("--omni-placement-plan", "{}", "needs --enable-omni-placement"),  # placement is off
     ("--omni-attn-pattern", "[1, 2, 3]", "JSON object"),
+    ("--omni-attn-pattern", "[1, 2", "is not valid JSON"),
 ])
 def test_a_file_flag_is_refused(tmp_path: Path, flag: str, content: str, match: str) -> None:
     path = tmp_path / "flag.json"
