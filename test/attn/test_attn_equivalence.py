@@ -90,5 +90,6 @@ def test_greedy_with_eviction_equals_masked_greedy(tiny_models: dict[str, Path])
     evicting = decode.greedy(stock, prompt, 12, (True, False), SINK, RECENT)
     masked_model = _model(tiny_models["llama"], "sdpa")
     masks.use(masked_model)
-    assert decode.masked_greedy(masked_model, prompt, 12, (True, False), SINK, RECENT) == evicting
+    assert decode.masked_greedy(masked_model, prompt, 12,
+                                masks.windows_for((True, False), SINK, RECENT)) == evicting
     assert len(evicting) == 12

@@ -1,8 +1,9 @@
 """What the patterned real-server tests share: the server, its routes, the evaluator's greedy.
 
 Each test module starts its own server (its flags are what it pins), through
-:func:`patterned_server`; outputs are compared with :func:`masked_greedy`, the evaluator's
-masked model decoding greedily over a cache that keeps every token.
+:func:`patterned_server`; outputs are compared with :func:`masked_greedy` (re-exported from
+``omniinfer.attn.decode``), the evaluator's masked model decoding greedily over a cache that
+keeps every token.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from omni_testing import post_json
 from omniinfer.attn import masks, text
+from omniinfer.attn.decode import masked_greedy as masked_greedy  # the tests' reference
 from omniinfer.attn.pattern import Pattern, from_layers
 from omniinfer.child_process import free_port
 from omniinfer.cpu.server_env import cpu_env
@@ -54,22 +54,6 @@ def saved_pattern(model: Path, layers: Sequence[int], sink: int, recent: int,
 def windows(pattern: Pattern) -> masks.Windows:
     """The evaluator's per-layer windows for a pattern."""
     return masks.windows_for(pattern.mask, pattern.sink, pattern.recent)
-
-
-def masked_greedy(model: Any, prompt: list[int], new: int,
-                  layer_windows: masks.Windows | None) -> list[int]:
-    """Greedy decoding under the evaluator's masks (None: the full model), over a cache that
-    keeps every token."""
-    from transformers import DynamicCache
-
-    cache, out, step = DynamicCache(config=model.config), [], torch.tensor([prompt])
-    with torch.inference_mode():
-        for _ in range(new):
-            logits = model(input_ids=step, past_key_values=cache, use_cache=True,
-                           omni_windows=layer_windows).logits[0, -1]
-            out.append(int(logits.argmax()))
-            step = torch.tensor([[out[-1]]])
-    return out
 
 
 def generate(base_url: str, prompt: list[int], new: int, timeout: float = 1800) -> dict[str, Any]:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from omniinfer.attn.masks import Windows
+
 
 def evict(cache: Any, compressed: Sequence[bool], sink: int, recent: int) -> None:
     """Drop, in place, the KV entries compressed layers no longer keep."""
@@ -85,21 +87,18 @@ def greedy(
 
 
 def masked_greedy(
-    model: Any,
-    prompt: Sequence[int],
-    new_tokens: int,
-    compressed: Sequence[bool],
-    sink: int,
-    recent: int,
+    model: Any, prompt: Sequence[int], new_tokens: int, windows: Windows | None
 ) -> list[int]:
-    """The same continuation from the masked evaluator: one whole-sequence pass per token
-    (the model must use :func:`omniinfer.attn.masks.use`). The runtime's reference."""
-    from omniinfer.attn.masks import windows_for
+    """The same continuation from the masked evaluator: every layer's (sink, recent) window of
+    ``windows`` masked, over a cache that keeps every token (None: the full model). The model
+    must use :func:`omniinfer.attn.masks.use`. The runtime's reference."""
+    from transformers import DynamicCache
 
-    windows = windows_for(tuple(compressed), sink, recent)
-    ids = list(prompt)
+    cache, produced, step = DynamicCache(config=model.config), [], torch.tensor([list(prompt)])
     with torch.inference_mode():
         for _ in range(new_tokens):
-            logits = model(input_ids=torch.tensor([ids]), omni_windows=windows).logits
-            ids.append(int(logits[0, -1].argmax()))
-    return ids[len(prompt) :]
+            logits = model(input_ids=step, past_key_values=cache, use_cache=True,
+                           omni_windows=windows).logits[0, -1]
+            produced.append(int(logits.argmax()))
+            step = torch.tensor([[produced[-1]]])
+    return produced

@@ -33,8 +33,11 @@ from omniinfer.placement.static import (
 )
 
 
-def _add_fleet(parser: argparse.ArgumentParser) -> None:
-    """The EP devices and redundant slots both commands plan for."""
+def _add_fleet(parser: argparse.ArgumentParser, counts: str, counts_required: bool = True) -> None:
+    """The expert counts both commands read (``counts``: what ``--counts`` takes) and the EP
+    devices and redundant slots they plan for."""
+    parser.add_argument("--counts", type=Path, required=counts_required, default=None,
+                        help=counts)
     parser.add_argument("--num-devices", type=int, required=True, help="R: EP devices")
     parser.add_argument("--num-redundant-experts", type=int, required=True,
                         help="K: redundant slots per layer (SGLang --ep-num-redundant-experts)")
@@ -45,13 +48,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     sub = p.add_subparsers(dest="placement_command", required=True)
 
     plan = sub.add_parser("plan", help="plan a placement from recorded expert counts")
-    plan.add_argument(
-        "--counts",
-        type=Path,
-        required=True,
-        help="SGLang expert-distribution dump (.pt), JSON with logical_count, or CSV",
-    )
-    _add_fleet(plan)
+    _add_fleet(plan, counts="SGLang expert-distribution dump (.pt), JSON with logical_count, "
+               "or CSV")
     plan.add_argument("--num-nodes", type=int, default=1, help="N: nodes, for the topology remap")
     plan.add_argument(
         "--fold",
@@ -71,14 +69,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     plan.set_defaults(func=run_plan)
 
     sim = sub.add_parser("simulate", help="judge policies on a drifting workload of real counts")
-    sim.add_argument(
-        "--counts",
-        type=Path,
-        default=None,
-        help="per-domain counts JSON (default: the OLMoE routing counts shipped)",
-    )
     sim.add_argument("--model", default="olmoe", help="model inside the counts file")
-    _add_fleet(sim)
+    _add_fleet(sim, counts="per-domain counts JSON (default: the OLMoE routing counts shipped)",
+               counts_required=False)
     sim.add_argument("--windows", type=int, default=120)
     sim.add_argument(
         "--routed-per-window",
