@@ -107,12 +107,23 @@ def build_cases(
 
 def retrieved(model: Any, cases: Sequence[PasskeyCase], windows: masks.Windows | None) -> list[bool]:
     """Whether greedy decoding would return each case's key under the given layer windows."""
+    return [passed for passed, _ in answer_scores(model, cases, windows)]
+
+
+def answer_scores(model: Any, cases: Sequence[PasskeyCase],
+                  windows: masks.Windows | None) -> list[tuple[bool, float]]:
+    """Per case: whether greedy decoding would return the key, and the key's log-probability
+    (the sum over its tokens, teacher-forced): a continuous figure that shows a small loss
+    that pass or fail does not."""
     backbone, head = model.get_decoder(), model.get_output_embeddings()
     results = []
     with torch.inference_mode():
         for case in cases:
             ids = torch.tensor([case.ids], device=model.device)
             hidden = backbone(input_ids=ids, omni_windows=windows).last_hidden_state[0]
-            predicted = head(hidden[case.answer_start - 1 : -1]).argmax(dim=-1)
-            results.append(bool((predicted == ids[0, case.answer_start :]).all()))
+            logits = head(hidden[case.answer_start - 1 : -1]).float()
+            answer = ids[0, case.answer_start :]
+            passed = bool((logits.argmax(dim=-1) == answer).all())
+            logprob = torch.log_softmax(logits, dim=-1).gather(1, answer[:, None]).sum()
+            results.append((passed, float(logprob)))
     return results
