@@ -119,6 +119,8 @@ class Watch:
         self.events: list[tuple[Event, Role, Phase]] = []
         self.entered: dict[str, list[Phase]] = {}
         self.hooks: list[tuple[str, Role, str, Any]] = []
+        # on_dispatch: the request object each role's policy saw, and its matches then
+        self.views: list[tuple[Role, Any, dict[str, int]]] = []
         report, enter = Attempt.report, Lifecycle.enter
 
         def spy_report(attempt: Attempt, event: Event, worker: Any, detail: Any = None) -> None:
@@ -143,6 +145,8 @@ class Watch:
     def _spy(self, role: Role, hook: str, inner: Any) -> Any:
         def spy(request: Any, worker: Any, *rest: Any) -> None:
             self.hooks.append((hook, role, worker.url, rest[0] if rest else None))
+            if hook == "on_dispatch":
+                self.views.append((role, request, dict(request.matched_blocks)))
             inner(request, worker, *rest)
         return spy
 
@@ -167,9 +171,9 @@ async def _router(upstream: FakeUpstream, pd: bool, policy: str, per_role: int =
     return await open_router(RouterConfig(**settings))
 
 
-async def _send(serving: Serving, stream: bool) -> tuple[int, bytes]:
+async def _send(serving: Serving, stream: bool, text: str = "the contract") -> tuple[int, bytes]:
     base = f"http://127.0.0.1:{serving.router.config.port}"
-    body = {"text": "the contract", "sampling_params": {"max_new_tokens": TOKENS},
+    body = {"text": text, "sampling_params": {"max_new_tokens": TOKENS},
             "stream": stream}
     async with aiohttp.ClientSession() as session:
         async with session.post(base + "/generate", json=body) as r:
@@ -244,6 +248,36 @@ def test_both_strategies_report_the_same_contract_and_book_alike(
             assert hooks == [("on_dispatch", None), ("on_complete", True)], watch.hooks
         prefill_done = [r for hook, r, _, _ in watch.hooks if hook == "on_prefill_done"]
         assert prefill_done == ([Role.PREFILL] if pd else [Role.REGULAR] if stream else [])
+        assert len({id(view) for _, view, _ in watch.views}) == 1  # one view, both roles
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_the_decode_policy_sees_the_decode_index_in_the_requests_one_view(watch: Watch) -> None:
+    """PD with a prefix policy on both roles: the same prompt twice. The second time both
+    policies get the request's one view, which the decode's turn completed: the decode
+    index's match (its worker holds the prompt since the first request) beside the prefill
+    index's."""
+    async def main() -> None:
+        upstream = FakeUpstream()
+        serving = await _router(upstream, True, "cache_aware")
+        watch.policies(serving)
+        try:
+            for _ in range(2):  # a prompt of many blocks
+                status, answer = await _send(serving, False, "the contract, " * 200)
+                assert status == 200, answer
+                await _settled(serving)
+            prefill, decode = (serving.router.pool.role(role)[0]
+                               for role in (Role.PREFILL, Role.DECODE))
+        finally:
+            await serving.close()
+            await upstream.close()
+        # the first request matched nothing; the second, both roles' workers (dispatched after
+        # both decisions: each booking sees the view the decode's turn completed)
+        assert all(not seen for _, _, seen in watch.views[:2])
+        (_, p_view, p_seen), (_, d_view, d_seen) = watch.views[2:]
+        assert p_view is d_view and p_seen == d_seen
+        assert d_seen[prefill.url] > 0 and d_seen[decode.url] > 0
 
     asyncio.run(asyncio.wait_for(main(), 60))
 

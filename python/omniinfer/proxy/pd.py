@@ -17,7 +17,6 @@ worker's stream head is no event: SGLang sends it at once, while the prefill run
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -54,18 +53,20 @@ class PD(Strategy):
     def __init__(self, router: Router, client: web.Request, request: Request) -> None:
         super().__init__(router, client, request)
         self.path = UPSTREAM_PATHS[request.endpoint]
-        self.decode_route = dataclasses.replace(request.route)  # matched on the decode index
+        self.prefill_matched = dict(request.route.matched_blocks)  # on the prefill index
 
     def view(self, role: Role) -> RouteRequest:
-        """The prefill's view is the request's; the decode's, its copy matched on the decode
-        index (once the prefill is decided) when the decode policy uses prefixes."""
+        """Both roles see the request's one view. Its matched blocks (by worker URL) are the
+        prefill index's; when the decode's turn comes (the prefill decided) and the decode
+        policy uses prefixes, the decode index's matches of this attempt join them (a worker
+        URL serves one role, so neither hides the other)."""
         route = self.request.route
-        if role is Role.PREFILL:
-            return route
-        if self.router.policies[Role.DECODE].uses_prefix:
-            self.decode_route.matched_blocks = self.router.indexes[Role.DECODE].match(
-                route.block_hashes)
-        return self.decode_route
+        if role is Role.PREFILL:  # a retry's prefill turn: the prefill index's alone again
+            route.matched_blocks = self.prefill_matched
+        elif self.router.policies[Role.DECODE].uses_prefix:
+            route.matched_blocks = {**self.prefill_matched,
+                                    **self.router.indexes[Role.DECODE].match(route.block_hashes)}
+        return route
 
     def cost(self, worker: Worker) -> int:
         route = self.request.route
