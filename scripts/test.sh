@@ -12,6 +12,10 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
+PARALLEL=${PARALLEL:-3}
+case "$PARALLEL" in
+  ''|*[!0-9]*) echo "test.sh: PARALLEL must be a whole number, got '$PARALLEL'" >&2; exit 2 ;;
+esac
 bash scripts/setup.sh
 export SGLANG_USE_CPU_ENGINE=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 # Bytecode caches (git ignores __pycache__/): without them every pytest process and every
@@ -24,7 +28,6 @@ if [ "${1:-}" = "--quick" ]; then
   shift
   QUICK=1
 fi
-PARALLEL=${PARALLEL:-3}
 SPREAD=()
 if [ "$PARALLEL" -gt 1 ]; then
   SPREAD=(-n "$PARALLEL" --dist loadscope)

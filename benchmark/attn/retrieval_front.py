@@ -28,9 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+# same folder: the shipped texts' windows and the uncompressed passes kept on disk
+from generalise import REFERENCE_DIR, windows_of
 from tqdm import tqdm
 
-from omniinfer.attn import evaluator, front, masks, passkey, retrieval, text
+from omniinfer.attn import evaluator, front, masks, passkey, retrieval
 from omniinfer.attn.baselines import first_k
 from omniinfer.attn.objective import Genome, from_layers
 from omniinfer.attn.pattern import from_layers as pattern_from_layers
@@ -62,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-drop", type=float, default=0.01)
     p.add_argument("--max-retrieval-drop", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reference-dir", type=Path, default=REFERENCE_DIR,
+                   help="where the uncompressed model's scores per window set are kept")
     p.add_argument("--out", type=Path, default=HERE / "results" / "retrieval_front.json")
     p.add_argument("--write-pattern", type=Path, default=None)
     p.add_argument("--no-progress", action="store_true")
@@ -72,12 +76,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _names(spec: str) -> list[str]:
     return [name for name in spec.split(",") if name]
-
-
-def _windows(tokenizer: Any, names: list[str], part: str, context: int,
-             count: int) -> dict[str, list[list[int]]]:
-    return {name: text.windows(tokenizer, text.part(text.read(name), part), context, count)
-            for name in names}
 
 
 def _judge(genome: Genome, ppl: evaluator.TextSetEvaluator, cases: retrieval.RetrievalCheck,
@@ -96,15 +94,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     num_layers = model.config.num_hidden_layers
     if any(not 0 < k < num_layers for k in args.ks):
         raise SystemExit(f"--ks: each k in 1..{num_layers - 1} (one layer stays full)")
-    search_ppl = evaluator.TextSetEvaluator(model, _windows(
+    search_ppl = evaluator.TextSetEvaluator(model, windows_of(
         tokenizer, _names(args.search_texts), "search", args.context, args.search_windows),
-        args.sink, args.recent)
+        args.sink, args.recent, args.reference_dir)
     search_cases = retrieval.RetrievalCheck(
         model, tokenizer, args.context, args.search_cases, _names(args.search_haystacks),
         part="search", seed=args.seed)
-    judge_ppl = evaluator.TextSetEvaluator(model, _windows(
+    judge_ppl = evaluator.TextSetEvaluator(model, windows_of(
         tokenizer, _names(args.judge_texts), "all", args.context, args.judge_windows),
-        args.sink, args.recent)
+        args.sink, args.recent, args.reference_dir)
     judge_cases = retrieval.RetrievalCheck(
         model, tokenizer, args.context, args.judge_cases, _names(args.judge_haystacks),
         part="heldout", seed=args.seed + 1)
@@ -127,13 +125,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         key_drop.append(sum(f - m for f, m in zip(full_keys, mine, strict=True)) / len(mine))
     order = front.rank_layers(ppl_drop, key_drop)
 
-    points = []
-    for k in tqdm(args.ks, desc="front", disable=args.no_progress):
-        ranked = _judge(from_layers(order[:k], num_layers), judge_ppl, judge_cases, args.sink,
-                        args.recent, args.context)
-        twin = _judge(first_k(k, num_layers), judge_ppl, judge_cases, args.sink, args.recent,
-                      args.context)
-        points.append(front.FrontPoint(k, ranked, twin))
+    judged: dict[Genome, front.Judged] = {}  # a ranked prefix may be its first-k twin
+
+    def judge(genome: Genome) -> front.Judged:
+        if genome not in judged:
+            judged[genome] = _judge(genome, judge_ppl, judge_cases, args.sink, args.recent,
+                                    args.context)
+        return judged[genome]
+
+    points = [front.FrontPoint(k, judge(from_layers(order[:k], num_layers)),
+                               judge(first_k(k, num_layers)))
+              for k in tqdm(args.ks, desc="front", disable=args.no_progress)]
     shipped = front.shipped_point(points, args.max_drop, args.max_retrieval_drop)
     return {
         "args": recorded_args(args, ROOT),

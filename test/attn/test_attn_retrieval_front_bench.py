@@ -36,7 +36,8 @@ def test_the_front_runs_ranks_judges_and_writes_the_shipped_pattern(
         "--search-texts", "paradise_lost", "--search-windows", "1", "--search-cases", "1",
         "--judge-texts", "alice,kjv_exodus", "--judge-windows", "1", "--judge-cases", "1",
         "--ks", "1", "--max-drop", "10", "--max-retrieval-drop", "100", "--out", str(out),
-        "--write-pattern", str(written), "--no-progress"])
+        "--write-pattern", str(written), "--reference-dir", str(tmp_path / "reference"),
+        "--no-progress"])
     printed = capsys.readouterr().out
     assert code == 0, printed
     result = json.loads(out.read_text())
@@ -49,6 +50,7 @@ def test_the_front_runs_ranks_judges_and_writes_the_shipped_pattern(
     assert result["full_retrieval"]["judged_cases"] == 4  # 2 haystacks x 2 kinds x 1
     assert "passes: ranking 10, front 12" in printed and "shipped point: k = 1; no larger point was judged" in printed
     assert out.with_suffix(".png").stat().st_size > 0
+    assert len(list((tmp_path / "reference").glob("reference-*.pt"))) == 3  # one per window set
     shipped = pattern.load(written)
     assert list(shipped.compressed_layers) == point["ranked"]["layers"]
     assert shipped.provenance["context"] == 256 and shipped.model_id == "llama"
