@@ -4,18 +4,25 @@
 #   scripts/test.sh           the whole suite (what CI runs), in two parts: every test that
 #                             starts no real SGLang server, spread over PARALLEL processes
 #                             (pytest-xdist, one test module per process at a time); then the
-#                             tests marked `server`, one at a time (a real server's OpenMP
-#                             threads slow several-fold when any other CPU job shares the cores)
+#                             tests marked `server` in SERVER_PARALLEL fixed lanes
+#                             (test/server_lanes.py), each lane pinned to its own cores so that
+#                             no server's OpenMP threads share a core with another lane's work
 #   scripts/test.sh --quick   the first part only (-m "not server"); a test that starts a real
 #                             server without the mark fails, naming its command
 # PARALLEL (default 3): processes of the first part; 1 runs it in this process.
+# SERVER_PARALLEL (default 2, at most the lanes' number): processes of the second part; 1 runs
+# the lanes one after the other in this process.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 PARALLEL=${PARALLEL:-3}
-case "$PARALLEL" in
-  ''|*[!0-9]*) echo "test.sh: PARALLEL must be a whole number, got '$PARALLEL'" >&2; exit 2 ;;
-esac
+SERVER_PARALLEL=${SERVER_PARALLEL:-2}
+for name in PARALLEL SERVER_PARALLEL; do
+  case "${!name}" in
+    ''|*[!0-9]*|0) echo "test.sh: $name must be a whole number of at least 1, got '${!name}'" >&2
+                   exit 2 ;;
+  esac
+done
 bash scripts/setup.sh
 export SGLANG_USE_CPU_ENGINE=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 # Bytecode caches (git ignores __pycache__/): without them every pytest process and every
@@ -47,5 +54,9 @@ OMNIINFER_TEST_QUICK=1 run_part .venv/bin/python -m pytest -m "not server" "${SP
 if [ "$QUICK" = 1 ]; then
   exit 0
 fi
-echo "[test] pytest: tests with real servers"
-run_part .venv/bin/python -m pytest -m server "$@"
+LANES=()
+if [ "$SERVER_PARALLEL" -gt 1 ]; then
+  LANES=(-n "$SERVER_PARALLEL" --dist loadgroup)
+fi
+echo "[test] pytest: tests with real servers (${SERVER_PARALLEL} lanes)"
+OMNIINFER_TEST_PIN_CORES=1 run_part .venv/bin/python -m pytest -m server "${LANES[@]}" "$@"

@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 
 from omni_testing import LEFTOVER_GRACE_S, SESSION_PROCESSES, leftovers
+from server_lanes import lane_of, pin_worker
+
+TEST_ROOT = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="session")
@@ -118,3 +121,21 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config.addinivalue_line("markers", "server: starts a real SGLang server")
     assert sys.version_info >= (3, 10)
+    pin_worker()  # before any server starts: they inherit this worker's cores
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The ``server`` tests after the others, each in its lane (``server_lanes.LANES``), lane
+    by lane in the lanes' order; a module in no lane fails the collection."""
+    placed: list[tuple[tuple[str, int], int, pytest.Item]] = []
+    others = []
+    for index, item in enumerate(items):
+        if item.get_closest_marker("server") is None:
+            others.append(item)
+            continue
+        lane = lane_of(item.path.resolve().relative_to(TEST_ROOT).as_posix())
+        item.add_marker(pytest.mark.xdist_group(f"server-lane-{lane[0]}"))
+        placed.append((lane, index, item))
+    placed.sort(key=lambda entry: (entry[0], entry[1]))
+    items[:] = others + [item for _, _, item in placed]

@@ -1,0 +1,94 @@
+"""Two lanes for the real-server tests, so that ``scripts/test.sh`` runs them two at a time.
+
+A real SGLang server spends most of its start in single-threaded imports (about 26 of 38 s here),
+so two test modules side by side finish well before the same two one after the other. Two
+conditions keep that safe on a 2-core machine:
+
+- **One core per lane.** Under ``OMNIINFER_TEST_PIN_CORES=1`` each pytest-xdist worker pins
+  itself, and so every server, router and emulator it starts, to its own share of the cores
+  (:func:`pin_worker`). PyTorch then runs one OpenMP thread per server, so no server waits at a
+  barrier for a thread that the other lane's work has descheduled (the several-fold slowdown that
+  two unpinned servers show).
+- **Memory.** The lanes are fixed (``--dist loadgroup``, one ``xdist_group`` per lane) and
+  ordered so that each lane's largest deployments (several SmolLM2 or SmolLM2-MoE servers, 2 to
+  3 GB each) run while the other lane runs small ones.
+
+Every module with ``server`` tests must be in exactly one lane (:func:`lane_of` refuses one that
+is not, at collection): a new module is placed where the lanes stay balanced (the durations
+``pytest`` prints at the end of a run). Without xdist the marks do nothing and the order is
+still the lanes' order, lane ``a`` first.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+PIN_ENV = "OMNIINFER_TEST_PIN_CORES"
+
+# Paths relative to test/, a folder ending in "/"; each lane runs in the order given.
+LANES: dict[str, tuple[str, ...]] = {
+    "a": (
+        "pd/shared_servers/",  # two prefill, one decode and one plain server, then two victims
+        "pd/test_pd_omni_attn.py",  # patterned prefill, decode and plain servers
+        "attn_runtime/test_attn_shipped_4k_server.py",
+        "proxy/test_proxy_kv_events_sglang.py",
+        "attn_runtime/test_attn_radix_pressure.py",
+        "attn_runtime/test_attn_radix_server.py",
+        "attn_runtime/test_attn_runtime_server.py",
+        "attn_runtime/test_attn_runtime_triton_server.py",
+        "attn_runtime/test_attn_search_to_server.py",
+    ),
+    "b": (
+        # the session's tiny Llama server (conftest.llama_server) serves these three
+        "servers/test_server_llama.py",
+        "proxy/test_proxy_sglang.py",
+        "bench/test_bench_e2e.py",
+        "servers/test_moe_tp2.py",
+        "servers/test_omni_placement_server.py",
+        "servers/test_moe_smollm2_server.py",
+        "pd/test_pd_whole_system.py",  # SmolLM2-MoE, two ranks per server
+        "pd/test_pd_dp_aware.py",  # two data-parallel ranks per PD server, and a plain one
+        "deploy/test_deploy_local.py",  # SmolLM2-MoE 1P1D, two ranks per server
+    ),
+}
+
+
+class UnplacedServerModule(LookupError):
+    """A module with ``server`` tests that no lane names."""
+
+
+def lane_of(module_path: str) -> tuple[str, int]:
+    """The lane of a test module (path relative to ``test/``, ``/``-separated) and its position
+    in that lane; a module no lane names raises :class:`UnplacedServerModule`."""
+    for lane, entries in LANES.items():
+        for position, entry in enumerate(entries):
+            if module_path == entry or (entry.endswith("/") and module_path.startswith(entry)):
+                return lane, position
+    raise UnplacedServerModule(
+        f"test/{module_path} starts real servers but is in no lane of test/server_lanes.py: "
+        "add it to the lane that keeps the two balanced")
+
+
+def worker_cores(cores: Sequence[int], worker_index: int, workers: int) -> set[int]:
+    """The cores of worker ``worker_index`` of ``workers``: an equal contiguous share of
+    ``cores`` (the same share again for workers past the number of cores)."""
+    if workers < 1 or not cores:
+        raise ValueError("need at least one worker and one core")
+    ordered = sorted(cores)
+    shares = min(workers, len(ordered))
+    per = len(ordered) // shares
+    share = worker_index % shares
+    return set(ordered[share * per:(share + 1) * per])
+
+
+def pin_worker(environ: dict[str, str] | os._Environ[str] = os.environ) -> set[int] | None:
+    """Pin this pytest-xdist worker (and every process it starts later) to its cores when
+    :data:`PIN_ENV` is ``1``; returns the cores, or None when it does not pin."""
+    worker = environ.get("PYTEST_XDIST_WORKER", "")
+    if environ.get(PIN_ENV) != "1" or not worker.startswith("gw"):
+        return None
+    cores = worker_cores(sorted(os.sched_getaffinity(0)), int(worker[2:]),
+                         int(environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.sched_setaffinity(0, cores)
+    return cores
