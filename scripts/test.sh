@@ -56,7 +56,7 @@ if [ "$QUICK" = 1 ]; then
 fi
 LANES=()
 if [ "$SERVER_PARALLEL" -gt 1 ]; then
-  LANES=(-n "$SERVER_PARALLEL" --dist loadgroup)
+  LANES=(-n "$SERVER_PARALLEL" --dist loadscope)
 fi
 echo "[test] pytest: tests with real servers (${SERVER_PARALLEL} lanes)"
-OMNIINFER_TEST_PIN_CORES=1 run_part .venv/bin/python -m pytest -m server "${LANES[@]}" "$@"
+OMNIINFER_TEST_SERVER_LANES=1 run_part .venv/bin/python -m pytest -m server "${LANES[@]}" "$@"

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from omni_testing import LEFTOVER_GRACE_S, SESSION_PROCESSES, leftovers
-from server_lanes import lane_of, pin_worker
+from server_lanes import LANES_ENV, lane_of, lane_scheduling, pin_worker
 
 TEST_ROOT = Path(__file__).resolve().parent
 
@@ -124,18 +124,25 @@ def pytest_configure(config: pytest.Config) -> None:
     pin_worker()  # before any server starts: they inherit this worker's cores
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the group marks
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The ``server`` tests after the others, each in its lane (``server_lanes.LANES``), lane
-    by lane in the lanes' order; a module in no lane fails the collection."""
+    """The ``server`` tests after the others, lane by lane (``server_lanes.LANES``) in the
+    lanes' order; a module in no lane fails the collection."""
     placed: list[tuple[tuple[str, int], int, pytest.Item]] = []
     others = []
     for index, item in enumerate(items):
         if item.get_closest_marker("server") is None:
             others.append(item)
             continue
-        lane = lane_of(item.path.resolve().relative_to(TEST_ROOT).as_posix())
-        item.add_marker(pytest.mark.xdist_group(f"server-lane-{lane[0]}"))
-        placed.append((lane, index, item))
+        placed.append((lane_of(item.path.resolve().relative_to(TEST_ROOT).as_posix()), index,
+                       item))
     placed.sort(key=lambda entry: (entry[0], entry[1]))
     items[:] = others + [item for _, _, item in placed]
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``OMNIINFER_TEST_SERVER_LANES=1`` with ``--dist loadscope``: one work unit per lane
+    (``server_lanes.LaneScheduling``), so each worker runs one whole lane."""
+    if os.environ.get(LANES_ENV) != "1" or config.getoption("dist") != "loadscope":
+        return None
+    return lane_scheduling(config, log)

@@ -4,13 +4,13 @@ A real SGLang server spends most of its start in single-threaded imports (about 
 so two test modules side by side finish well before the same two one after the other. Two
 conditions keep that safe on a 2-core machine:
 
-- **One core per lane.** Under ``OMNIINFER_TEST_PIN_CORES=1`` each pytest-xdist worker pins
+- **One core per lane.** Under ``OMNIINFER_TEST_SERVER_LANES=1`` each pytest-xdist worker pins
   itself, and so every server, router and emulator it starts, to its own share of the cores
   (:func:`pin_worker`). PyTorch then runs one OpenMP thread per server, so no server waits at a
   barrier for a thread that the other lane's work has descheduled (the several-fold slowdown that
   two unpinned servers show).
-- **Memory.** The lanes are fixed (``--dist loadgroup``, one ``xdist_group`` per lane) and
-  ordered so that each lane's largest deployments (several SmolLM2 or SmolLM2-MoE servers, 2 to
+- **Memory.** The lanes are fixed (``--dist loadscope`` with :func:`lane_scheduling`, one
+  work unit per lane, so a package-scoped deployment starts once) and ordered so that each lane's largest deployments (several SmolLM2 or SmolLM2-MoE servers, 2 to
   3 GB each) run while the other lane runs small ones.
 
 Every module with ``server`` tests must be in exactly one lane (:func:`lane_of` refuses one that
@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
-PIN_ENV = "OMNIINFER_TEST_PIN_CORES"
+LANES_ENV = "OMNIINFER_TEST_SERVER_LANES"
 
 # Paths relative to test/, a folder ending in "/"; each lane runs in the order given.
 LANES: dict[str, tuple[str, ...]] = {
@@ -84,11 +85,35 @@ def worker_cores(cores: Sequence[int], worker_index: int, workers: int) -> set[i
 
 def pin_worker(environ: dict[str, str] | os._Environ[str] = os.environ) -> set[int] | None:
     """Pin this pytest-xdist worker (and every process it starts later) to its cores when
-    :data:`PIN_ENV` is ``1``; returns the cores, or None when it does not pin."""
+    :data:`LANES_ENV` is ``1``; returns the cores, or None when it does not pin."""
     worker = environ.get("PYTEST_XDIST_WORKER", "")
-    if environ.get(PIN_ENV) != "1" or not worker.startswith("gw"):
+    if environ.get(LANES_ENV) != "1" or not worker.startswith("gw"):
         return None
     cores = worker_cores(sorted(os.sched_getaffinity(0)), int(worker[2:]),
                          int(environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     os.sched_setaffinity(0, cores)
     return cores
+
+
+def lane_scope(nodeid: str) -> str:
+    """The work unit of a test id (relative to the repository root): its lane, or its module
+    when no lane names the module."""
+    module = nodeid.split("::", 1)[0]
+    try:
+        return "lane-" + lane_of(module.removeprefix("test/"))[0]
+    except UnplacedServerModule:
+        return module
+
+
+def lane_scheduling(config: Any, log: Any) -> Any:
+    """pytest-xdist's ``loadscope`` scheduler with one scope per lane: every test of a lane's
+    modules goes to the worker that took the lane, in collection order (the lane's order). A
+    module in no lane keeps its own scope. (``--dist loadgroup`` would be the declared way, but
+    with pytest 9 its group suffix never reaches the scheduler.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaneScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane_scope(nodeid)
+
+    return LaneScheduling(config, log)

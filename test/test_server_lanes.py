@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from server_lanes import LANES, PIN_ENV, UnplacedServerModule, lane_of, pin_worker, worker_cores
+from server_lanes import (
+    LANES,
+    LANES_ENV,
+    UnplacedServerModule,
+    lane_of,
+    lane_scope,
+    pin_worker,
+    worker_cores,
+)
 
 TEST_ROOT = Path(__file__).resolve().parent
 SERVER_MARK = re.compile(r"^(pytestmark = .*pytest\.mark\.server|@pytest\.mark\.server)", re.M)
@@ -47,6 +55,13 @@ def test_lane_of_gives_the_order_and_refuses_an_unplaced_module() -> None:
         lane_of("servers/test_new.py")
 
 
+def test_one_work_unit_per_lane_and_per_unplaced_module() -> None:
+    assert lane_scope("test/pd/shared_servers/test_pd_real_faults.py::test_x") == "lane-a"
+    assert lane_scope("test/pd/shared_servers/test_pd_real_outputs.py::test_y[1]") == "lane-a"
+    assert lane_scope("test/pd/test_pd_dp_aware.py::test_z") == "lane-b"
+    assert lane_scope("test/proxy/test_cost.py::test_w") == "test/proxy/test_cost.py"
+
+
 def test_workers_get_disjoint_equal_shares_of_the_cores() -> None:
     assert worker_cores([0, 1], 0, 2) == {0}
     assert worker_cores([1, 0], 1, 2) == {1}
@@ -60,7 +75,7 @@ def test_workers_get_disjoint_equal_shares_of_the_cores() -> None:
 def test_pin_worker_pins_only_when_asked_and_only_a_worker() -> None:
     before = os.sched_getaffinity(0)
     assert pin_worker({"PYTEST_XDIST_WORKER": "gw0"}) is None
-    assert pin_worker({PIN_ENV: "1"}) is None
+    assert pin_worker({LANES_ENV: "1"}) is None
     assert os.sched_getaffinity(0) == before
 
 
@@ -70,7 +85,7 @@ def test_pinned_worker_children_see_one_core() -> None:
             "print(sorted(pin_worker())); import subprocess;"
             "print(subprocess.run(['python3', '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'],"
             " capture_output=True, text=True).stdout.strip())")
-    env = {**os.environ, PIN_ENV: "1", "PYTEST_XDIST_WORKER": "gw1",
+    env = {**os.environ, LANES_ENV: "1", "PYTEST_XDIST_WORKER": "gw1",
            "PYTEST_XDIST_WORKER_COUNT": "2"}
     out = subprocess.run(["python3", "-c", code, str(TEST_ROOT)], env=env, capture_output=True,
                          text=True, check=True).stdout.split("\n")
