@@ -5,8 +5,9 @@
 #                             starts no real SGLang server, spread over PARALLEL processes
 #                             (pytest-xdist, one test module per process at a time); then the
 #                             tests marked `server` in SERVER_PARALLEL fixed lanes
-#                             (test/server_lanes.py), each lane pinned to its own cores so that
-#                             no server's OpenMP threads share a core with another lane's work
+#                             (test/server_lanes.py), every process there with one OpenMP
+#                             thread, so that no server waits at a barrier for a thread that
+#                             the other lane's work descheduled
 #   scripts/test.sh --quick   the first part only (-m "not server"); a test that starts a real
 #                             server without the mark fails, naming its command
 # PARALLEL (default 3): processes of the first part; 1 runs it in this process.

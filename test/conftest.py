@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from omni_testing import LEFTOVER_GRACE_S, SESSION_PROCESSES, leftovers
-from server_lanes import LANES_ENV, lane_of, lane_scheduling, pin_worker
+from server_lanes import LANES_ENV, lane_of, lane_scheduling, one_thread_each
 
 TEST_ROOT = Path(__file__).resolve().parent
 
@@ -121,7 +121,7 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config.addinivalue_line("markers", "server: starts a real SGLang server")
     assert sys.version_info >= (3, 10)
-    pin_worker()  # before any server starts: they inherit this worker's cores
+    one_thread_each()  # before torch starts here and before any server starts
 
 
 @pytest.hookimpl(tryfirst=True)

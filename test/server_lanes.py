@@ -1,28 +1,29 @@
 """Two lanes for the real-server tests, so that ``scripts/test.sh`` runs them two at a time.
 
 A real SGLang server spends most of its start in single-threaded imports (about 26 of 38 s here),
-so two test modules side by side finish well before the same two one after the other. Two
-conditions keep that safe on a 2-core machine:
+and many tests wait on a server more than they compute, so two test modules side by side finish
+well before the same two one after the other. Two conditions keep that safe on a 2-core machine:
 
-- **One core per lane.** Under ``OMNIINFER_TEST_SERVER_LANES=1`` each pytest-xdist worker pins
-  itself, and so every server, router and emulator it starts, to its own share of the cores
-  (:func:`pin_worker`). PyTorch then runs one OpenMP thread per server, so no server waits at a
-  barrier for a thread that the other lane's work has descheduled (the several-fold slowdown that
-  two unpinned servers show).
-- **Memory.** The lanes are fixed (``--dist loadscope`` with :func:`lane_scheduling`, one
-  work unit per lane, so a package-scoped deployment starts once) and ordered so that each lane's largest deployments (several SmolLM2 or SmolLM2-MoE servers, 2 to
-  3 GB each) run while the other lane runs small ones.
+- **One OpenMP thread per process.** Under ``OMNIINFER_TEST_SERVER_LANES=1`` each pytest-xdist
+  worker sets ``OMP_NUM_THREADS=1`` for itself and every server, router and emulator it starts
+  (:func:`one_thread_each`). No server then waits at an OpenMP barrier for a thread of its own
+  that the other lane's work has descheduled (the several-fold slowdown two servers with two
+  threads each show), and the kernel still spreads the processes over both cores. (Pinning each
+  lane to one core was tried: a lane with four PD servers then took 2.5 times as long.)
+- **Memory.** The lanes are fixed (``--dist loadscope`` with :func:`lane_scheduling`, one work
+  unit per lane, so a package-scoped deployment starts once): the deployments of several
+  SmolLM2 or SmolLM2-MoE servers (2 to 3 GB each) are all in lane ``a``, one after the other,
+  while lane ``b`` runs tiny-model servers and at most two SmolLM2-sized ones.
 
 Every module with ``server`` tests must be in exactly one lane (:func:`lane_of` refuses one that
 is not, at collection): a new module is placed where the lanes stay balanced (the durations
-``pytest`` prints at the end of a run). Without xdist the marks do nothing and the order is
-still the lanes' order, lane ``a`` first.
+``pytest`` prints at the end of a run). Without xdist the lanes run one after the other, in
+this order, lane ``a`` first.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from typing import Any
 
 LANES_ENV = "OMNIINFER_TEST_SERVER_LANES"
@@ -31,26 +32,24 @@ LANES_ENV = "OMNIINFER_TEST_SERVER_LANES"
 LANES: dict[str, tuple[str, ...]] = {
     "a": (
         "pd/shared_servers/",  # two prefill, one decode and one plain server, then two victims
-        "pd/test_pd_omni_attn.py",  # patterned prefill, decode and plain servers
-        "attn_runtime/test_attn_shipped_4k_server.py",
+        "pd/test_pd_dp_aware.py",  # two data-parallel ranks per PD server, and a plain one
+        "deploy/test_deploy_local.py",  # SmolLM2-MoE 1P1D, two ranks per server
         "proxy/test_proxy_kv_events_sglang.py",
-        "attn_runtime/test_attn_radix_pressure.py",
-        "attn_runtime/test_attn_radix_server.py",
-        "attn_runtime/test_attn_runtime_server.py",
-        "attn_runtime/test_attn_runtime_triton_server.py",
-        "attn_runtime/test_attn_search_to_server.py",
     ),
     "b": (
         # the session's tiny Llama server (conftest.llama_server) serves these three
         "servers/test_server_llama.py",
         "proxy/test_proxy_sglang.py",
         "bench/test_bench_e2e.py",
+        "attn_runtime/test_attn_radix_pressure.py",
+        "attn_runtime/test_attn_radix_server.py",
+        "attn_runtime/test_attn_runtime_server.py",
+        "attn_runtime/test_attn_runtime_triton_server.py",
+        "attn_runtime/test_attn_search_to_server.py",
         "servers/test_moe_tp2.py",
         "servers/test_omni_placement_server.py",
-        "servers/test_moe_smollm2_server.py",
-        "pd/test_pd_whole_system.py",  # SmolLM2-MoE, two ranks per server
-        "pd/test_pd_dp_aware.py",  # two data-parallel ranks per PD server, and a plain one
-        "deploy/test_deploy_local.py",  # SmolLM2-MoE 1P1D, two ranks per server
+        "servers/test_moe_smollm2_server.py",  # SmolLM2-MoE: one server, then two ranks
+        "attn_runtime/test_attn_shipped_4k_server.py",  # SmolLM2 at 4K
     ),
 }
 
@@ -71,28 +70,15 @@ def lane_of(module_path: str) -> tuple[str, int]:
         "add it to the lane that keeps the two balanced")
 
 
-def worker_cores(cores: Sequence[int], worker_index: int, workers: int) -> set[int]:
-    """The cores of worker ``worker_index`` of ``workers``: an equal contiguous share of
-    ``cores`` (the same share again for workers past the number of cores)."""
-    if workers < 1 or not cores:
-        raise ValueError("need at least one worker and one core")
-    ordered = sorted(cores)
-    shares = min(workers, len(ordered))
-    per = len(ordered) // shares
-    share = worker_index % shares
-    return set(ordered[share * per:(share + 1) * per])
-
-
-def pin_worker(environ: dict[str, str] | os._Environ[str] = os.environ) -> set[int] | None:
-    """Pin this pytest-xdist worker (and every process it starts later) to its cores when
-    :data:`LANES_ENV` is ``1``; returns the cores, or None when it does not pin."""
-    worker = environ.get("PYTEST_XDIST_WORKER", "")
-    if environ.get(LANES_ENV) != "1" or not worker.startswith("gw"):
-        return None
-    cores = worker_cores(sorted(os.sched_getaffinity(0)), int(worker[2:]),
-                         int(environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-    os.sched_setaffinity(0, cores)
-    return cores
+def one_thread_each(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    """In a pytest-xdist worker under :data:`LANES_ENV` = ``1``, set ``OMP_NUM_THREADS=1`` in
+    ``environ`` (this worker's environment, which every process it starts inherits; PyTorch
+    reads it when it starts its thread pool). Returns whether it did."""
+    if environ.get(LANES_ENV) != "1" or not environ.get("PYTEST_XDIST_WORKER", "").startswith(
+            "gw"):
+        return False
+    environ["OMP_NUM_THREADS"] = "1"
+    return True
 
 
 def lane_scope(nodeid: str) -> str:

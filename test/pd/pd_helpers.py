@@ -15,6 +15,10 @@ from omniinfer.child_process import free_port
 from omniinfer.proxy.process import RouterProcess
 from omniinfer.testbed.pd_servers import wait_idle
 
+# The shipped OmniAttn pattern for SmolLM2-135M, on every server of a patterned PD pair (the
+# pair must agree on what a compressed layer sends), with the metrics the status reads.
+PATTERN = Path(omniinfer.data.__file__).parents[1] / "attn" / "patterns" / "smollm2-135m.json"
+PATTERN_FLAGS = ["--omni-attn-pattern", str(PATTERN), "--enable-metrics"]
 TEXT = (Path(omniinfer.data.__file__).parent / "text" / "paradise_lost.txt").read_text()
 START = TEXT.index("Of Mans First Disobedience") if "Of Mans First Disobedience" in TEXT else 0
 

@@ -2,7 +2,8 @@
 
 A client that leaves mid-stream, a prefill server killed mid-request, the decode server killed
 mid-stream, a decode server that cannot reach the prefill's bootstrap server. Servers that are
-killed are started by their test; the shared ones must end up idle after each test.
+killed are started by their test, with the shared ones' pattern; the shared ones must end up
+idle after each test.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pd_helpers import PROMPTS, TEXT, assert_idle, gen_body, omniproxy, post
+from pd_helpers import PATTERN_FLAGS, PROMPTS, TEXT, assert_idle, gen_body, omniproxy, post
 
 from omniinfer.child_process import free_port
 from omniinfer.testbed.pd_servers import held, load, pd_server, started
@@ -109,7 +110,8 @@ def test_prefill_killed_mid_request(pd_servers: dict[str, Any], smollm2: Path, l
     # No prefix cache and small chunks: every visit is a full prefill of several scheduler steps,
     # long enough for the load poll below to see it (a cached prompt is done in one step).
     victim = pd_server(smollm2, "prefill", victim_logs, 8192, name="prefill-victim",
-                       extra_args=["--disable-radix-cache", "--chunked-prefill-size", "256"])
+                       extra_args=[*PATTERN_FLAGS, "--disable-radix-cache",
+                                   "--chunked-prefill-size", "256"])
     reference = post(pd_servers["plain"].base_url + "/generate", gen_body(LONG_PROMPT, max_new_tokens=8))
     assert reference[0] == 200, reference
     with started([victim]), omniproxy([victim, a, d], "round_robin", smollm2, logs, HEALTH) as router:
@@ -151,7 +153,7 @@ def test_prefill_killed_mid_request(pd_servers: dict[str, Any], smollm2: Path, l
 def test_decode_killed_mid_stream(pd_servers: dict[str, Any], smollm2: Path, logs: Path,
                                   victim_logs: Path) -> None:
     a = pd_servers["prefill_a"]
-    victim = pd_server(smollm2, "decode", victim_logs, 8192, name="decode-victim")
+    victim = pd_server(smollm2, "decode", victim_logs, 8192, PATTERN_FLAGS, "decode-victim")
     with started([victim]), omniproxy([a, victim], "round_robin", smollm2, logs, HEALTH) as router:
         conn, resp = _open_stream(router.base_url, gen_body(PROMPTS[3], stream=True,
                                                                   max_new_tokens=400))

@@ -1,6 +1,7 @@
-"""OmniAttn under real PD: prefill and decode servers both patterned, the sink sent with the
-window, greedy outputs equal to one patterned plain server's (OmniProxy oas and the SGLang
-router), the decode server holding only sink + window compressed slots per request."""
+"""OmniAttn under real PD: the folder's prefill and decode servers are patterned (as is its
+plain server), the sink is sent with the window, greedy outputs equal the plain server's
+through OmniProxy oas and the SGLang router, and the decode server holds only sink + window
+compressed slots per request."""
 
 from __future__ import annotations
 
@@ -8,39 +9,39 @@ import concurrent.futures
 import json
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pd_helpers import PROMPTS, TEXT, assert_idle, gen_body, omniproxy, post, sglang_router
+from pd_helpers import (
+    PATTERN,
+    PROMPTS,
+    TEXT,
+    assert_idle,
+    gen_body,
+    omniproxy,
+    post,
+    sglang_router,
+)
 
 from omniinfer.attn import runtime_window
 from omniinfer.attn.pattern import load
-from omniinfer.testbed.pd_servers import pd_server, plain_server, started
 
 pytestmark = pytest.mark.server
 
-PATTERN = Path(__file__).resolve().parents[2] / "python" / "omniinfer" / "attn" / "patterns" / \
-    "smollm2-135m.json"
-MAX_TOTAL_TOKENS = 12288
 LONG = [TEXT[20000:27500] + "\n\nSummarise the passage above.",
         TEXT[40000:46500] + "\n\nWho speaks in this passage?"]
 CASES = [*PROMPTS[:4], *LONG]  # two prompts over 1,500 tokens: windows evicted on decode
 
 
 @pytest.fixture(scope="module")
-def patterned(smollm2: Path, tmp_path_factory: pytest.TempPathFactory
-              ) -> Iterator[dict[str, Any]]:
-    logs = tmp_path_factory.mktemp("pd-attn")
-    flags = ["--omni-attn-pattern", str(PATTERN), "--enable-metrics"]
-    servers = {
-        "prefill": pd_server(smollm2, "prefill", logs, MAX_TOTAL_TOKENS, flags, "attn-prefill"),
-        "decode": pd_server(smollm2, "decode", logs, MAX_TOTAL_TOKENS, flags, "attn-decode"),
-        "plain": plain_server(smollm2, logs, MAX_TOTAL_TOKENS, flags),
-    }
-    with started(list(servers.values())):
-        yield {**servers, "logs": logs}
+def patterned(pd_servers: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+              ) -> dict[str, Any]:
+    """The unchunked prefill server, the decode server and the plain server."""
+    flags = pd_servers["decode"].command
+    assert str(PATTERN) == flags[flags.index("--omni-attn-pattern") + 1]
+    return {"prefill": pd_servers["prefill_b"], "decode": pd_servers["decode"],
+            "plain": pd_servers["plain"], "logs": tmp_path_factory.mktemp("pd-attn")}
 
 
 def _status(url: str) -> dict[str, Any]:
