@@ -7,7 +7,8 @@ front), started once for the module:
   table and a line per technique, and migrations are adopted (the demo's traffic);
 - after those migrations, greedy outputs equal the dense SmolLM2's in transformers token for
   token (short prompts: nothing to evict) and, for a prompt longer than sink + window, the dense
-  model's with a really evicting cache; weights crossed ranks; the prefill sends only sink +
+  model's under the pattern (the masked evaluator, which ``test_attn_equivalence`` pins to a
+  really evicting cache); weights crossed ranks; the prefill sends only sink +
   window for compressed layers; the decode server ends up holding nothing;
 - Ctrl-C stops every process.
 
@@ -141,7 +142,7 @@ def test_after_migrations_outputs_equal_the_dense_model_and_the_pattern_holds(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from omniinfer.attn import decode
+    from omniinfer.attn import decode, masks
     from omniinfer.attn.pattern import load
     from omniinfer.testbed.pd_servers import wait_idle
 
@@ -151,14 +152,13 @@ def test_after_migrations_outputs_equal_the_dense_model_and_the_pattern_holds(
     prompts = [tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
     expected = [hf_greedy(DENSE, ids, NEW_TOKENS) for ids in prompts]
     text = (Path(omniinfer.data.__file__).parent / "text" / "paradise_lost.txt").read_text()
-    start = text.index("Of Mans First Disobedience")
-    long_ids = tokenizer.encode(text[start + 8000:start + 11200] + "\n\nWho is the speaker?",
+    long_ids = tokenizer.encode(text[8000:11200] + "\n\nWho is the speaker?",
                                 add_special_tokens=False)  # 903 tokens: > sink + window
     assert len(long_ids) > pattern.sink + pattern.recent + NEW_TOKENS
-    dense = AutoModelForCausalLM.from_pretrained(DENSE, dtype=torch.float32,
-                                                 attn_implementation="sdpa").eval()
-    long_expected = decode.greedy(dense, long_ids, NEW_TOKENS, pattern.mask, pattern.sink,
-                                  pattern.recent)
+    dense = AutoModelForCausalLM.from_pretrained(DENSE, dtype=torch.float32).eval()
+    masks.use(dense)  # the masked evaluator, which test_attn_equivalence pins to an evicting cache
+    long_expected = decode.masked_greedy(dense, long_ids, NEW_TOKENS, masks.windows_for(
+        pattern.mask, pattern.sink, pattern.recent))
     assert long_expected != hf_greedy(DENSE, long_ids, NEW_TOKENS)  # the pattern matters here
     sent_before = _get(urls["prefill-0"] + "/omni/attn")["pd_transfer"] or {}
     for round_ in range(ROUNDS):
