@@ -142,7 +142,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under ``OMNIINFER_TEST_SERVER_LANES=1`` with ``--dist loadscope``: one work unit per lane
-    (``server_lanes.LaneScheduling``), so each worker runs one whole lane."""
+    (``server_lanes.lane_scheduling``), so each worker runs one whole lane."""
     if os.environ.get(LANES_ENV) != "1" or config.getoption("dist") != "loadscope":
         return None
     return lane_scheduling(config, log)

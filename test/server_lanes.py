@@ -58,12 +58,17 @@ class UnplacedServerModule(LookupError):
     """A module with ``server`` tests that no lane names."""
 
 
+def covers(entry: str, module_path: str) -> bool:
+    """Whether a lane entry (a module, or a folder ending in ``/``) names this module."""
+    return module_path == entry or (entry.endswith("/") and module_path.startswith(entry))
+
+
 def lane_of(module_path: str) -> tuple[str, int]:
     """The lane of a test module (path relative to ``test/``, ``/``-separated) and its position
     in that lane; a module no lane names raises :class:`UnplacedServerModule`."""
     for lane, entries in LANES.items():
         for position, entry in enumerate(entries):
-            if module_path == entry or (entry.endswith("/") and module_path.startswith(entry)):
+            if covers(entry, module_path):
                 return lane, position
     raise UnplacedServerModule(
         f"test/{module_path} starts real servers but is in no lane of test/server_lanes.py: "

@@ -9,15 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import omniinfer.data
+from omni_testing import ROOT, sse_events
 from omni_testing import post as http_post
-from omni_testing import sse_events
 from omniinfer.child_process import free_port
 from omniinfer.proxy.process import RouterProcess
 from omniinfer.testbed.pd_servers import wait_idle
 
 # The shipped OmniAttn pattern for SmolLM2-135M, on every server of a patterned PD pair (the
 # pair must agree on what a compressed layer sends), with the metrics the status reads.
-PATTERN = Path(omniinfer.data.__file__).parents[1] / "attn" / "patterns" / "smollm2-135m.json"
+PATTERN = ROOT / "python" / "omniinfer" / "attn" / "patterns" / "smollm2-135m.json"
 PATTERN_FLAGS = ["--omni-attn-pattern", str(PATTERN), "--enable-metrics"]
 TEXT = (Path(omniinfer.data.__file__).parent / "text" / "paradise_lost.txt").read_text()
 START = TEXT.index("Of Mans First Disobedience") if "Of Mans First Disobedience" in TEXT else 0
