@@ -41,7 +41,7 @@ DENSE = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 TEXTS = ["O Romeo, Romeo! wherefore art thou Romeo? " * 2, "Now is the winter of our discontent",
          "To be, or not to be, that is the question"]
 NEW_TOKENS = 12
-ROUNDS = 2
+ROUNDS = 3  # 9 + 1 requests one after the other: more prefill passes than the file's interval
 
 
 def _closed(url: str) -> bool:
@@ -170,7 +170,13 @@ def test_after_migrations_outputs_equal_the_dense_model_and_the_pattern_holds(
     assert adopted, placement
     assert all(m["switched_at_pass"] > m["decided_at_pass"] for m in adopted)
     assert any(m["remote_copies"] > 0 for m in adopted)  # weights crossed ranks
-    assert _get(urls["prefill-0"] + "/omni/placement")["decisions"]
+    prefill_placement: dict[str, Any] = {}
+
+    def prefill_decided() -> bool:  # the controller's thread writes its status after deciding
+        prefill_placement.update(_get(urls["prefill-0"] + "/omni/placement"))
+        return bool(prefill_placement["decisions"])
+
+    assert wait_until(prefill_decided, timeout=10, step=0.2), json.dumps(prefill_placement)
     attn = _get(urls["decode-0"] + "/omni/attn")
     assert attn["enabled"] and attn["pattern"]["sink"] == pattern.sink
     sent: dict[str, float] = {}
