@@ -32,15 +32,15 @@ LANES_ENV = "OMNIINFER_TEST_SERVER_LANES"
 LANES: dict[str, tuple[str, ...]] = {
     "a": (
         "pd/shared_servers/",  # two prefill, one decode and one plain server, then two victims
-        "pd/test_pd_dp_aware.py",  # two data-parallel ranks per PD server, and a plain one
+        "pd/test_pd_dp_aware.py",  # two data-parallel ranks per PD server
         "deploy/test_deploy_local.py",  # SmolLM2-MoE 1P1D, two ranks per server
-        "proxy/test_proxy_kv_events_sglang.py",
     ),
     "b": (
         # the session's tiny Llama server (conftest.llama_server) serves these three
         "servers/test_server_llama.py",
         "proxy/test_proxy_sglang.py",
         "bench/test_bench_e2e.py",
+        "proxy/test_proxy_kv_events_sglang.py",  # its own tiny-Llama servers
         "attn_runtime/test_attn_radix_pressure.py",
         "attn_runtime/test_attn_radix_server.py",
         "attn_runtime/test_attn_runtime_server.py",

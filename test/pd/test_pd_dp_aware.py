@@ -1,7 +1,7 @@
 """Real PD with data-parallel servers: a ``--dp-size 2`` prefill and a ``--dp-size 2`` decode
-server, OmniProxy ``--dp-aware`` in front. Greedy outputs equal a plain server's, every rank of
-both servers is used (by the router's count and by SGLang's own per-rank counters), and nothing
-is left held anywhere. SGLang's DP controller sleeps while idle (the CPU plugin's fix)."""
+server, OmniProxy ``--dp-aware`` in front. Greedy outputs equal transformers' (the reference of
+the plain-server tests, so no third server starts here), every rank of both servers is used (by
+the router's count and by SGLang's own per-rank counters), and nothing is left held anywhere. SGLang's DP controller sleeps while idle (the CPU plugin's fix)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from typing import Any
 
 import psutil
 import pytest
-from pd_helpers import PROMPTS, assert_idle, gen_body, omniproxy, post, stream_text
+from pd_helpers import MAX_NEW_TOKENS, PROMPTS, assert_idle, gen_body, omniproxy, post, stream_text
 
+from omni_testing import hf_greedy
 from omniinfer.cpu.server_env import cpu_env
-from omniinfer.testbed.pd_servers import pd_server, plain_server, started
+from omniinfer.testbed.pd_servers import pd_server, started
 
 pytestmark = pytest.mark.server
 MAX_TOTAL_TOKENS = 4096
@@ -31,8 +32,7 @@ def dp_servers(smollm2: Path, tmp_path_factory: pytest.TempPathFactory
     logs = tmp_path_factory.mktemp("pd-dp-logs")
     dp = ["--dp-size", str(RANKS)]
     servers = {"prefill": pd_server(smollm2, "prefill", logs, MAX_TOTAL_TOKENS, dp, "prefill-dp"),
-               "decode": pd_server(smollm2, "decode", logs, MAX_TOTAL_TOKENS, dp, "decode-dp"),
-               "plain": plain_server(smollm2, logs, MAX_TOTAL_TOKENS)}
+               "decode": pd_server(smollm2, "decode", logs, MAX_TOTAL_TOKENS, dp, "decode-dp")}
     for name in ("prefill", "decode"):  # one OpenMP group per rank
         servers[name].env = cpu_env(threads_bind="|".join(str(c) for c in range(RANKS)))
     with started(list(servers.values())):
@@ -61,14 +61,13 @@ def test_an_idle_dp_controller_sleeps(dp_servers: dict[str, Any]) -> None:
         assert used < 0.5, f"{name}: the idle DP controller used {used:.2f} CPU-s in 3 s"
 
 
-def test_dp_aware_pd_outputs_equal_a_plain_server_and_every_rank_serves(
+def test_dp_aware_pd_outputs_equal_transformers_and_every_rank_serves(
         dp_servers: dict[str, Any], smollm2: Path, tmp_path: Path) -> None:
-    plain = dp_servers["plain"].base_url
-    reference = []
-    for prompt in PROMPTS:
-        status, body = post(plain + "/generate", gen_body(prompt))
-        assert status == 200, body
-        reference.append(body)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)  # SGLang encodes a text prompt this way
+    reference = [hf_greedy(smollm2, tokenizer.encode(prompt), MAX_NEW_TOKENS)
+                 for prompt in PROMPTS]
     prefill, decode = dp_servers["prefill"], dp_servers["decode"]
     before = _rank_counters(prefill.base_url)
     with omniproxy([prefill, decode], "oas", smollm2, tmp_path, ["--dp-aware"]) as router:
@@ -76,15 +75,15 @@ def test_dp_aware_pd_outputs_equal_a_plain_server_and_every_rank_serves(
         for prompt, expected in zip(PROMPTS, reference, strict=True):
             status, body = post(base + "/generate", gen_body(prompt))
             assert status == 200, body
-            assert body["output_ids"] == expected["output_ids"], prompt[:40]
+            assert body["output_ids"] == expected, prompt[:40]
             status, events = stream_text(base + "/generate", gen_body(prompt))
             assert status == 200 and events[-1] == "[DONE]", events[-3:]
-            assert events[-2]["text"] == expected["text"], prompt[:40]
+            assert events[-2]["text"] == body["text"], prompt[:40]
         with concurrent.futures.ThreadPoolExecutor(8) as pool:  # a burst: ranks share it
             answers = list(pool.map(lambda p: post(base + "/generate", gen_body(p)),
                                     PROMPTS[:4] * 2))
         for (status, body), expected in zip(answers, reference[:4] * 2, strict=True):
-            assert status == 200 and body["output_ids"] == expected["output_ids"]
+            assert status == 200 and body["output_ids"] == expected
         with urllib.request.urlopen(base + "/list_workers", timeout=10) as resp:
             workers = {w["role"]: w for w in json.loads(resp.read())["workers"]}
     for role in ("prefill", "decode"):

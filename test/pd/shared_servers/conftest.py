@@ -18,6 +18,7 @@ from omniinfer.testbed.pd_servers import pd_server, plain_server, started
 MAX_TOTAL_TOKENS = 12288
 # Chunked prefill on one prefill server: a 1,000-token prompt goes through it in 3 chunks.
 CHUNKED = [*FLAGS, "--chunked-prefill-size", "384"]
+DECODE_RELEASE_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
 
 
 # Package scope: started once for the fault, OmniAttn and output tests of this folder (each
@@ -32,6 +33,9 @@ def pd_servers(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "decode": pd_server(smollm2, "decode", logs, MAX_TOTAL_TOKENS, FLAGS),
         "plain": plain_server(smollm2, logs, MAX_TOTAL_TOKENS, FLAGS),
     }
+    # An aborted transfer's KV stays reserved on the decode server until the prefill's drain
+    # ack or this timeout (SGLang's default 30 s): the prefill-killed test waits for it.
+    servers["decode"].env[DECODE_RELEASE_TIMEOUT_ENV] = "5"
     with started(list(servers.values())):
         owned = {server.process.pid for server in servers.values() if server.process}
         SESSION_PROCESSES.update(owned)  # outlive the first module by design
