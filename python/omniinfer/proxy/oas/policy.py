@@ -41,7 +41,8 @@ deadline), judging "can still" with the soonest instance's predicted queue inclu
 instead: a high quantile of what recent requests spent between release and the end of their
 prefill beyond their own predicted compute (``cost.ObservedDelay``); ``oas_edf_q1`` is
 ``oas_edf`` with one batch, not two, queued at an instance (lateness decided in the router's
-queue rather than in the instances'); ``oas_sticky`` charges a cache miss twice and waits twice
+queue rather than in the instances'); ``oas_q15`` is ``oas`` with one and a half batches
+sent and not back, not two (half a batch queued behind the running one); ``oas_sticky`` charges a cache miss twice and waits twice
 the recompute before redirecting (chats kept on the worker that holds them). What each part
 measured:
 docs/benchmarks.md, "OmniProxy OAS evaluation" and "OmniProxy SLO capacity".
@@ -211,3 +212,4 @@ OASEDFObserved = _variant("oas_edf_obs", order_name="fifo", late_observed=True)
 OASObserved = _variant("oas_obs", late_observed=True)
 OASEDFOneBatch = _variant("oas_edf_q1", order_name="fifo", late_with_queue=True,
                           queue_batches=1.0)
+OASHalfBatchQueued = _variant("oas_q15", queue_batches=1.5)
