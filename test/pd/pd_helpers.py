@@ -57,6 +57,12 @@ def assert_idle(url: str, timeout_s: float = 60.0) -> None:
     assert not any(reading.values()), f"{url} still holds {reading}"
 
 
+# A live server here can take longer than the router's default 5 s to answer /health while the
+# other lane's work has both cores (seen: a patterned prefill server ejected mid-test, every
+# later request answered 503). Tests of ejection pass their own flags in ``extra``, which win.
+PATIENT_HEALTH = ["--health-check-timeout-secs", "30"]
+
+
 @contextmanager
 def omniproxy(servers: Sequence[Any], policy: str, model: Path, log_dir: Path,
               extra: Sequence[str] = ()) -> Iterator[RouterProcess]:
@@ -64,7 +70,7 @@ def omniproxy(servers: Sequence[Any], policy: str, model: Path, log_dir: Path,
 
     args = [*router_args(servers), "--prefill-policy", policy,
             "--decode-policy", "oas" if policy.startswith("oas") else "round_robin",
-            "--model-path", str(model), *extra]
+            "--model-path", str(model), *PATIENT_HEALTH, *extra]
     with RouterProcess(args, log_dir / f"omniproxy-{policy}-{free_port()}.log") as router:
         yield router
 
