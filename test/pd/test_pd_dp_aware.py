@@ -1,7 +1,8 @@
 """Real PD with data-parallel servers: a ``--dp-size 2`` prefill and a ``--dp-size 2`` decode
 server, OmniProxy ``--dp-aware`` in front. Greedy outputs equal transformers' (the reference of
 the plain-server tests, so no third server starts here), every rank of both servers is used (by
-the router's count and by SGLang's own per-rank counters), and nothing is left held anywhere. SGLang's DP controller sleeps while idle (the CPU plugin's fix)."""
+the router's count and by SGLang's own per-rank counters), and nothing is left held anywhere.
+SGLang's DP controller sleeps while idle (the CPU plugin's fix)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,8 @@ def pd_servers(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     # ack or this timeout (SGLang's default 30 s): the prefill-killed test waits for it.
     from sglang.srt.environ import envs
 
-    assert hasattr(envs, DECODE_RELEASE_TIMEOUT_ENV), f"SGLang no longer reads {DECODE_RELEASE_TIMEOUT_ENV}"
+    assert hasattr(envs, DECODE_RELEASE_TIMEOUT_ENV), \
+        f"SGLang no longer reads {DECODE_RELEASE_TIMEOUT_ENV}"
     servers["decode"].env[DECODE_RELEASE_TIMEOUT_ENV] = "5"
     with started(list(servers.values())):
         owned = {server.process.pid for server in servers.values() if server.process}
