@@ -63,9 +63,30 @@ def _late_last(first: Pick) -> Pick:
     return pick
 
 
+def _largest_last(limit: float) -> Pick:
+    """First come, first served among the requests whose prefill time is at most ``limit``;
+    the longer ones after them (oldest first). With ``limit`` the 99th percentile of the
+    requests' prefill times this gives up at most 1 % of them, the ones that take the most
+    work, to keep every other request's TTFT short: a candidate for the least P99 TTFT."""
+
+    def pick(queue: Sequence[tuple[float, float]], now: float, slo: float) -> int:
+        small = [i for i, (_, work) in enumerate(queue) if work <= limit]
+        if not small:
+            return _fcfs(queue, now, slo)
+        return min(small, key=lambda i: queue[i][0])
+
+    return pick
+
+
 ORDERS: dict[str, Pick] = {"fcfs": _fcfs, "shortest": _shortest,
                            "fcfs_late_last": _late_last(_fcfs),
                            "shortest_late_last": _late_last(_shortest)}
+TAIL_SHARE = 0.99  # the tail question: P99 TTFT at first come, first served's 90 % capacity
+
+
+def p99(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(TAIL_SHARE * len(ordered)))]
 
 
 def ttfts(arrivals: Sequence[float], works: Sequence[float], servers: int, pick: Pick,
@@ -89,6 +110,20 @@ def ttfts(arrivals: Sequence[float], works: Sequence[float], servers: int, pick:
     return out
 
 
+def dispatched_ttfts(arrivals: Sequence[float], works: Sequence[float], servers: int,
+                     slo: float) -> list[float]:
+    """TTFT of each request sent at arrival to the next instance in turn (round robin), each
+    instance first come, first served: smg's ``round_robin`` without batching or transfer."""
+    free = [0.0] * servers
+    out = [0.0] * len(arrivals)
+    for turn, i in enumerate(sorted(range(len(arrivals)), key=lambda k: arrivals[k])):
+        server = turn % servers
+        start = max(free[server], arrivals[i])
+        free[server] = start + works[i]
+        out[i] = free[server] - arrivals[i]
+    return out
+
+
 def prefill_work(profile: str, prompts: Sequence[int]) -> list[float]:
     """Prefill seconds of each prompt on one instance of ``profile`` (no cache; the per-pass
     base left out as ``capacity.py``'s estimate leaves it: batching shares it)."""
@@ -97,14 +132,22 @@ def prefill_work(profile: str, prompts: Sequence[int]) -> list[float]:
             + cost.prefill_attention_s * n * n / 2 for n in prompts]
 
 
-def capacities(workload: str, repeat: int, args: argparse.Namespace) -> dict[str, float]:
-    """Each order's 90 % SLO capacity (requests per model minute) on one repeat's requests."""
+def capacities(workload: str, repeat: int, args: argparse.Namespace
+               ) -> tuple[dict[str, float], dict[str, float]]:
+    """Each order's 90 % SLO capacity (requests per model minute) on one repeat's requests,
+    and each order's P99 TTFT (seconds) at first come, first served's capacity rate, where
+    ``largest_last`` (the 1 % longest prefills given up) joins the orders."""
     offset = args.trace_offset + repeat * args.requests
     requests = base_requests(workload, args.requests, args.seed + repeat, offset, 0.05)
     works = prefill_work(args.profile, [r.prompt_tokens for r in requests])
     throughput = 60.0 * args.servers / statistics.fmean(works)  # QPM with every instance busy
     found: dict[str, float] = {}
-    for name, pick in ORDERS.items():
+    runs: dict[str, Callable[[list[float]], list[float]]] = {
+        name: (lambda arrivals, pick=pick: ttfts(arrivals, works, args.servers, pick, args.slo))
+        for name, pick in ORDERS.items()}
+    runs["round_robin"] = lambda arrivals: dispatched_ttfts(arrivals, works, args.servers,
+                                                            args.slo)
+    for name, run in runs.items():
         points: list[tuple[float, float]] = []
         multiplier, below = args.first_multiplier, 0
         while below < 2:  # climb until two points in a row fall under 90 %: the knee is passed
@@ -113,7 +156,7 @@ def capacities(workload: str, repeat: int, args: argparse.Namespace) -> dict[str
                                    f"{MAX_MULTIPLIER}x the throughput")
             qpm = throughput * multiplier
             timed = at_rate(requests, workload, qpm, args.seed + repeat)
-            got = ttfts([r.arrival_s for r in timed], works, args.servers, pick, args.slo)
+            got = run([r.arrival_s for r in timed])
             share = sum(t <= args.slo for t in got) / len(got)
             points.append((qpm, share))
             below = below + 1 if share < 0.90 else 0
@@ -123,7 +166,15 @@ def capacities(workload: str, repeat: int, args: argparse.Namespace) -> dict[str
             raise RuntimeError(f"{workload} repeat {repeat} {name}: under 90 % at "
                                f"{args.first_multiplier}x; lower --first-multiplier")
         found[name] = capacity
-    return found
+    limit = sorted(works)[int(TAIL_SHARE * (len(works) - 1))]
+    runs["largest_last"] = lambda arrivals: ttfts(arrivals, works, args.servers,
+                                                  _largest_last(limit), args.slo)
+    tails: dict[str, float] = {}
+    for peer in ("fcfs", "round_robin"):
+        arrivals = [r.arrival_s for r in at_rate(requests, workload, found[peer],
+                                                 args.seed + repeat)]
+        tails.update({f"{name}@{peer}": p99(run(arrivals)) for name, run in runs.items()})
+    return found, tails
 
 
 def main() -> int:
@@ -143,16 +194,23 @@ def main() -> int:
     args = p.parse_args()
     result: dict[str, object] = {"args": {k: str(v) for k, v in vars(args).items() if k != "out"}}
     for workload in args.workloads.split(","):
-        runs = [capacities(workload, k, args) for k in range(args.repeats)]
-        ratios = {name: [run[name] / run["fcfs"] for run in runs] for name in ORDERS}
-        result[workload] = {"capacity_qpm": runs, "over_fcfs": ratios}
-        print(f"{workload}: 90 % SLO capacity over central FCFS, per repeat")
-        for name, values in ratios.items():
-            print(f"  {name:20s} " + "  ".join(f"{v:.3f}" for v in values)
-                  + f"   median {statistics.median(values):.3f}")
+        both = [capacities(workload, k, args) for k in range(args.repeats)]
+        runs, tails = [run for run, _ in both], [tail for _, tail in both]
+        ratios = {name: [run[name] / run["fcfs"] for run in runs] for name in runs[0]}
+        tail_ratios = {name: [tail[name] / tail[name.split("@")[1] + "@" + name.split("@")[1]]
+                              for tail in tails] for name in tails[0]}
+        result[workload] = {"capacity_qpm": runs, "over_fcfs": ratios, "p99_ttft_s": tails,
+                            "p99_over_fcfs": tail_ratios}
+        for title, table in (("90 % SLO capacity over central FCFS", ratios),
+                             ("P99 TTFT at a peer's 90 % capacity (name@peer), over the peer's",
+                              tail_ratios)):
+            print(f"{workload}: {title}, per repeat")
+            for name, values in table.items():
+                print(f"  {name:20s} " + "  ".join(f"{v:.3f}" for v in values)
+                      + f"   median {statistics.median(values):.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out.relative_to(HERE.parent.parent)}")
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -17,6 +17,18 @@ class TargetUnreachable(RuntimeError):
     """The server did not answer at all; one message instead of a stack of timeouts."""
 
 
+def open_session(timeout_s: float) -> aiohttp.ClientSession:
+    """A client session with no cap on connections in flight.
+
+    aiohttp's default connector holds at most 100 connections; request 101 would wait in the
+    client for one while its clock runs, invisible to the server. An open loop must put every
+    request on the wire at its arrival time, and a closed loop's cap is its concurrency, so the
+    connector sets none of its own.
+    """
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                 connector=aiohttp.TCPConnector(limit=0))
+
+
 def _no_text(request: BenchRequest) -> str:
     if request.prompt is None:
         raise ValueError("this backend needs prompt text: pass a tokenizer")
@@ -92,7 +104,7 @@ async def run_closed_loop(
     bar = tqdm(total=len(requests), desc="requests", disable=not progress, unit="req")
     t0 = time.perf_counter()
     deadline = None if duration_s is None else t0 + duration_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+    async with open_session(timeout_s) as session:
 
         async def user() -> None:
             while pending and (deadline is None or time.perf_counter() < deadline):
@@ -134,7 +146,7 @@ async def run_trace_replay(
     t0 = time.perf_counter()
     first = min((r.arrival_s for r in requests), default=0.0)
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+    async with open_session(timeout_s) as session:
 
         async def one(request: BenchRequest) -> RequestResult:
             delay = (request.arrival_s - first) * time_scale - (time.perf_counter() - t0)

@@ -213,3 +213,4 @@ OASObserved = _variant("oas_obs", late_observed=True)
 OASEDFOneBatch = _variant("oas_edf_q1", order_name="fifo", late_with_queue=True,
                           queue_batches=1.0)
 OASHalfBatchQueued = _variant("oas_q15", queue_batches=1.5)
+OASLateWithQueue = _variant("oas_lq", late_with_queue=True)
