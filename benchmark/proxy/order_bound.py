@@ -18,8 +18,14 @@ the most any order can add when placement is perfect.
 Orders: ``fcfs`` (one central FIFO queue: work-conserving, so at least as good as any
 dispatch-at-arrival policy with FIFO instances); ``shortest`` (least prefill time first,
 non-preemptive); ``fcfs_late_last`` and ``shortest_late_last`` (requests that can no longer meet
-the SLO — waited + prefill time > SLO — go after all the others, oldest first). Pure Python;
-seconds to run:
+the SLO — waited + prefill time > SLO — go after all the others, oldest first). Beside them,
+``round_robin`` dispatches at arrival to the instances in turn, each first come, first served
+(smg's ``round_robin``, idealised the same way).
+
+The tail: at each peer's 90 % capacity rate (``fcfs`` and ``round_robin``), every order's P99
+TTFT over the peer's own (``name@peer``), with ``largest_last`` added: first come, first served
+with the 1 % longest prefills given up (after every other request), the order that spends the
+1 % a P99 may lose where it saves the most work. Pure Python; seconds to run:
 
     python benchmark/proxy/order_bound.py          # writes results/proxy/order_bound.json
 """
