@@ -42,7 +42,8 @@ instead: a high quantile of what recent requests spent between release and the e
 prefill beyond their own predicted compute (``cost.ObservedDelay``); ``oas_edf_q1`` is
 ``oas_edf`` with one batch, not two, queued at an instance (lateness decided in the router's
 queue rather than in the instances'); ``oas_q15`` is ``oas`` with one and a half batches
-sent and not back, not two (half a batch queued behind the running one); ``oas_sticky``
+sent and not back, not two (half a batch queued behind the running one); ``oas_lq`` is
+``oas`` judging "late" with the soonest instance's predicted queue included; ``oas_sticky``
 charges a cache miss twice and waits twice the recompute before redirecting (chats kept on
 the worker that holds them). What each part measured:
 docs/benchmarks.md, "OmniProxy OAS evaluation" and "OmniProxy SLO capacity".
