@@ -55,7 +55,7 @@ async def _serve(load: str) -> tuple[GatedServer, list]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = runner.addresses[0][1]
     requests = [BenchRequest(i, 4, 1, input_ids=(1, 2, 3, 4)) for i in range(OPEN)]
     url = f"http://127.0.0.1:{port}"
     try:
